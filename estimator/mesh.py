@@ -1,0 +1,72 @@
+"""The device mesh every compiled loop runs on.
+
+Devices form a 2-D mesh ``("data", "model")`` of shape ``(replicas, cores_per_replica)``.
+Loops are manual over ``"data"`` (one model_fn call per replica) and leave ``"model"`` to the
+compiler. Both axes are ``AxisType.Auto`` so plain numpy input and bare ``PartitionSpec``
+constraints work (see the Explicit-axes trap in the JAX notes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+DATA = "data"
+MODEL = "model"
+
+
+def make_mesh(
+    *,
+    num_cores_per_replica: int | None = None,
+    num_replicas: int | None = None,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """Builds the ``("data", "model")`` mesh over ``devices`` (default: all devices).
+
+    Args:
+      num_cores_per_replica: devices per replica along ``"model"`` (default 1).
+      num_replicas: replicas along ``"data"`` (default: all devices / cores per replica).
+      devices: the devices to use, in order.
+
+    Raises:
+      ValueError: when the counts do not fit the devices, naming the argument.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    cores = int(num_cores_per_replica or 1)
+    if cores < 1:
+        raise ValueError(f"num_cores_per_replica must be >= 1, got {num_cores_per_replica}")
+    if len(devices) % cores:
+        raise ValueError(
+            f"num_cores_per_replica={cores} does not divide the {len(devices)} devices"
+        )
+    replicas = len(devices) // cores if num_replicas is None else int(num_replicas)
+    if replicas < 1 or replicas * cores > len(devices):
+        raise ValueError(
+            f"num_replicas={num_replicas} x num_cores_per_replica={cores} needs "
+            f"{replicas * cores} devices, but {len(devices)} are available"
+        )
+    grid = np.array(devices[: replicas * cores], dtype=object).reshape(replicas, cores)
+    return Mesh(grid, (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def single_device_mesh(device: jax.Device | None = None) -> Mesh:
+    """A 1x1 mesh on one device: the ``use_tpu=False`` path runs the same code on it."""
+    return make_mesh(devices=[device or jax.devices()[0]])
+
+
+def num_replicas(mesh: Mesh) -> int:
+    return mesh.shape[DATA]
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """Sharding of a value every device holds whole."""
+    return NamedSharding(mesh, P())
+
+
+def batch_sharded(mesh: Mesh, *, leading: int = 0) -> NamedSharding:
+    """Sharding of a batch split over replicas along axis ``leading``."""
+    return NamedSharding(mesh, P(*([None] * leading), DATA))
