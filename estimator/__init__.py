@@ -1,0 +1,32 @@
+"""TPUEstimator on JAX: one model_fn, compiled loops on every device.
+
+Example:
+  >>> import estimator
+  >>> est = estimator.TPUEstimator(model_fn, model_dir="/tmp/run", train_batch_size=128)
+  >>> est.train(input_fn, max_steps=1000)
+"""
+
+from . import summary
+from .config import InputPipelineConfig, RunConfig, TPUConfig
+from .context import get_global_step, padding_mask
+from .input_context import InputContext
+from .scaffold import Scaffold, WarmStartSettings, init_from_checkpoint
+from .spec import EstimatorSpec, ModeKeys, TPUEstimatorSpec
+from .tpu_estimator import TPUEstimator
+
+__all__ = [
+    "EstimatorSpec",
+    "InputContext",
+    "InputPipelineConfig",
+    "ModeKeys",
+    "RunConfig",
+    "Scaffold",
+    "TPUConfig",
+    "TPUEstimator",
+    "TPUEstimatorSpec",
+    "WarmStartSettings",
+    "get_global_step",
+    "init_from_checkpoint",
+    "padding_mask",
+    "summary",
+]

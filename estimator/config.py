@@ -1,0 +1,167 @@
+"""RunConfig, TPUConfig and InputPipelineConfig: how a job runs, validated on construction.
+
+Example:
+  >>> config = RunConfig(model_dir="/tmp/run", save_checkpoints_steps=100,
+  ...                    tpu_config=TPUConfig(iterations_per_loop=50))
+  >>> config.replace(keep_checkpoint_max=2).keep_checkpoint_max
+  2
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+
+class InputPipelineConfig(enum.IntEnum):
+    """How input_fn is called and how its batches reach the replicas (TF's values)."""
+
+    PER_SHARD_V1 = 1  # treated like PER_HOST_V2: one per-replica batch per replica
+    PER_HOST_V1 = 2  # input_fn once per host with the per-host batch, split over local replicas
+    PER_HOST_V2 = 3  # input_fn once per host with the per-replica batch, pulled once per replica
+    BROADCAST = 4  # input_fn once with the global batch; every replica sees all of it
+
+
+def _positive_int(name: str, value: Any, *, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TPUConfig:
+    """Device-loop settings (TF's ``tf.estimator.tpu.TPUConfig``).
+
+    Args:
+      iterations_per_loop: training steps per compiled device call.
+      num_shards: replica count; when given it must equal the number the devices provide.
+      num_cores_per_replica: devices per replica (model parallelism over the ``"model"`` axis).
+      per_host_input_for_training: an ``InputPipelineConfig`` (``True`` means PER_HOST_V1,
+        ``False`` PER_SHARD_V1).
+      input_partition_dims: ``[feature_dims, label_dims]`` to split inputs spatially.
+      host_call_every_n_steps: run ``host_call`` only on every n-th step.
+      unroll_loops: unroll the per-loop ``lax.scan``. XLA:CPU runs convolutions inside a
+        rolled loop far slower (jax-ml/jax#12868); ``None`` unrolls on CPU only when the
+        loop is short (<= 10 steps).
+    """
+
+    iterations_per_loop: int = 2
+    num_shards: int | None = None
+    num_cores_per_replica: int | None = None
+    per_host_input_for_training: Any = InputPipelineConfig.PER_HOST_V1
+    input_partition_dims: Any = None
+    host_call_every_n_steps: int = 1
+    unroll_loops: bool | None = False
+
+    def __post_init__(self):
+        _positive_int("iterations_per_loop", self.iterations_per_loop, allow_none=False)
+        _positive_int("num_shards", self.num_shards)
+        _positive_int("num_cores_per_replica", self.num_cores_per_replica)
+        _positive_int("host_call_every_n_steps", self.host_call_every_n_steps, allow_none=False)
+        mode = self.per_host_input_for_training
+        if mode is True:
+            mode = InputPipelineConfig.PER_HOST_V1
+        elif mode is False:
+            mode = InputPipelineConfig.PER_SHARD_V1
+        try:
+            mode = InputPipelineConfig(mode)
+        except ValueError:
+            raise ValueError(
+                f"per_host_input_for_training must be an InputPipelineConfig, got {mode!r}"
+            ) from None
+        object.__setattr__(self, "per_host_input_for_training", mode)
+        if self.input_partition_dims is not None:
+            dims = self.input_partition_dims
+            if not isinstance(dims, (list, tuple)) or not 1 <= len(dims) <= 2:
+                raise ValueError(
+                    "input_partition_dims must be a list of 1 or 2 elements "
+                    f"[feature_dims, label_dims], got {dims!r}"
+                )
+            if not self.num_cores_per_replica:
+                raise ValueError("input_partition_dims requires num_cores_per_replica")
+
+    def replace(self, **kwargs) -> TPUConfig:
+        return dataclasses.replace(self, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Where and how a job checkpoints, logs and seeds (TF's ``tf.estimator.tpu.RunConfig``).
+
+    Neither ``save_checkpoints_steps`` nor ``save_checkpoints_secs`` given means every 600 s,
+    as in TF; a checkpoint is always written when ``train`` ends. Both given is an error.
+
+    Keyword-only extensions over TF's fields:
+      compilation_cache_dir: turns on JAX's persistent compilation cache there (``True``:
+        ``<model_dir>/compilation_cache``).
+      skip_nonfinite_steps: skip (on every replica together) a step whose loss or gradients
+        are not finite, count it in the ``nonfinite_steps`` summary, and keep training.
+      progress_bar: a tqdm bar on a terminal (``None``: when stderr is a terminal).
+      resume_input_position: on resuming, skip the training batches already consumed.
+    """
+
+    model_dir: str | None = None
+    tpu_config: TPUConfig | None = None
+    save_checkpoints_steps: int | None = None
+    save_checkpoints_secs: float | None = None
+    keep_checkpoint_max: int | None = 5
+    save_summary_steps: int = 100
+    log_step_count_steps: int = 100
+    tf_random_seed: int | None = None
+    cluster: Any = None
+    _: dataclasses.KW_ONLY
+    compilation_cache_dir: str | bool | None = None
+    skip_nonfinite_steps: bool = False
+    progress_bar: bool | None = None
+    resume_input_position: bool = True
+
+    def __post_init__(self):
+        if self.tpu_config is None:
+            object.__setattr__(self, "tpu_config", TPUConfig())
+        if not isinstance(self.tpu_config, TPUConfig):
+            raise TypeError(f"tpu_config must be a TPUConfig, got {type(self.tpu_config)}")
+        if self.model_dir is not None and (
+            not isinstance(self.model_dir, (str, bytes)) and not hasattr(self.model_dir, "__fspath__")
+        ):
+            raise TypeError(f"model_dir must be a path, got {self.model_dir!r}")
+        if self.model_dir is not None:
+            object.__setattr__(self, "model_dir", str(self.model_dir))
+            if not self.model_dir:
+                raise ValueError("model_dir must be a non-empty path")
+        if self.save_checkpoints_steps is not None and self.save_checkpoints_secs is not None:
+            raise ValueError(
+                "save_checkpoints_steps and save_checkpoints_secs cannot both be set"
+            )
+        _positive_int("save_checkpoints_steps", self.save_checkpoints_steps)
+        if self.save_checkpoints_secs is not None and self.save_checkpoints_secs <= 0:
+            raise ValueError(
+                f"save_checkpoints_secs must be positive, got {self.save_checkpoints_secs}"
+            )
+        if self.keep_checkpoint_max is not None:
+            _positive_int("keep_checkpoint_max", self.keep_checkpoint_max)
+        for name in ("save_summary_steps", "log_step_count_steps"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        seed = self.tf_random_seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"tf_random_seed must be an int, got {seed!r}")
+
+    @property
+    def checkpoint_every_secs(self) -> float | None:
+        """The effective time cadence: TF's 600 s default when no cadence is given."""
+        if self.save_checkpoints_steps is None and self.save_checkpoints_secs is None:
+            return 600.0
+        return self.save_checkpoints_secs
+
+    def replace(self, **kwargs) -> RunConfig:
+        """A copy with fields replaced; setting one checkpoint cadence clears the other."""
+        if "save_checkpoints_steps" in kwargs and "save_checkpoints_secs" not in kwargs:
+            kwargs["save_checkpoints_secs"] = None
+        if "save_checkpoints_secs" in kwargs and "save_checkpoints_steps" not in kwargs:
+            kwargs["save_checkpoints_steps"] = None
+        return dataclasses.replace(self, **kwargs)

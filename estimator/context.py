@@ -1,0 +1,71 @@
+"""What model_fn can ask for while the estimator is calling it: the padding mask and global step.
+
+Example:
+  >>> def model_fn(features, labels, mode, params):
+  ...     mask = estimator.padding_mask()          # 1.0 for real rows, 0.0 for padding
+  ...     per_row = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+  ...     loss = (per_row * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Any
+
+import jax.numpy as jnp
+
+_LOCAL = threading.local()
+
+
+@dataclasses.dataclass(frozen=True)
+class CallContext:
+    """The per-call values the estimator provides to model_fn (traced arrays)."""
+
+    mode: str
+    mask: Any  # float32 [per-replica batch]
+    global_step: Any  # int32 scalar
+
+
+@contextlib.contextmanager
+def calling_model_fn(ctx: CallContext):
+    """Makes ``ctx`` current while model_fn runs (tracing happens on the caller's thread)."""
+    stack = _LOCAL.__dict__.setdefault("stack", [])
+    stack.append(ctx)
+    try:
+        yield ctx
+    finally:
+        stack.pop()
+
+
+def current() -> CallContext | None:
+    stack = getattr(_LOCAL, "stack", None)
+    return stack[-1] if stack else None
+
+
+def padding_mask() -> jnp.ndarray:
+    """The per-row mask of this replica's batch: 1.0 for real examples, 0.0 for padding.
+
+    Evaluation and prediction pad the final partial batch to the static batch shape; use the
+    mask to keep padded rows out of the loss. In training every row is real.
+
+    Raises:
+      RuntimeError: outside a model_fn called by the estimator.
+    """
+    ctx = current()
+    if ctx is None:
+        raise RuntimeError("estimator.padding_mask() can only be called inside model_fn")
+    return ctx.mask
+
+
+def get_global_step() -> jnp.ndarray:
+    """The global step (an int32 scalar array) of the step model_fn is computing.
+
+    Raises:
+      RuntimeError: outside a model_fn called by the estimator.
+    """
+    ctx = current()
+    if ctx is None:
+        raise RuntimeError("estimator.get_global_step() can only be called inside model_fn")
+    return ctx.global_step

@@ -1,0 +1,118 @@
+"""Evaluation and prediction loops: pad the last batch, count every example exactly once."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import summary
+from .hook_runner import HookRunner, Session
+from .host import HostWorker, MetricAccumulator, real_rows
+from .runtime import seed_key_data
+from .spec import ModeKeys
+from .state import restore_variables
+
+log = logging.getLogger("estimator")
+
+
+def _loops(est, input_fn, mode: str, *, steps: int | None, hooks, checkpoint_path) -> Iterator:
+    """Yields ``(chunk, outputs, global_step)`` per device loop, hooks run around each."""
+    pipe = est._pipeline(input_fn, mode, pad=True)
+    ipl = est.config.tpu_config.iterations_per_loop
+    left = [steps]
+
+    def schedule() -> int:
+        if left[0] is None:
+            return ipl
+        n = min(ipl, left[0])
+        left[0] -= n
+        return n
+
+    prefetch = est._prefetch(pipe, schedule, fill=True)
+    try:
+        chunk = next(prefetch, None)
+        if chunk is None:
+            raise ValueError(f"input_fn produced no batches to {'evaluate' if mode == 'eval' else 'predict'}")
+        est._model.check_labels(pipe.has_labels)
+        batch = jax.tree.leaves(chunk.features)[0].shape[1] // est.num_replicas
+        variables, global_step = restore_variables(est, mode, chunk, batch, checkpoint_path)
+        loop = est._loop(mode, batch)
+        spec = est._holder[mode]
+        spec_hooks = spec.evaluation_hooks if mode == ModeKeys.EVAL else spec.prediction_hooks
+        runner = HookRunner(list(spec_hooks) + list(hooks or ()),
+                            Session(mode=mode, model_dir=est.model_dir, global_step=global_step),
+                            examples_per_step=est._batch[mode] or 0)
+        runner.begin()
+        runner.after_create_session()
+        rng = jax.device_put(seed_key_data(est.config.tf_random_seed))
+        step_arr = np.int32(global_step)
+        done = 0
+        while chunk is not None:
+            counters = np.arange(done + 1, done + chunk.steps + 1)
+            runner.before_run(counters)
+            outs = jax.device_get(
+                loop(variables, step_arr, rng, chunk.features, chunk.labels, chunk.mask)
+            )
+            done += chunk.steps
+            yield chunk, outs, global_step
+            values = {"loss": outs[0][: chunk.steps].mean(axis=1)} if mode == ModeKeys.EVAL else {}
+            if runner.after_run(values, counters):
+                break
+            chunk = next(prefetch, None)
+        runner.end()
+    finally:
+        prefetch.close()
+
+
+def _dedupe_broadcast(est, host_mask: np.ndarray) -> np.ndarray:
+    """In BROADCAST every replica sees the whole batch: count only replica 0's copy."""
+    from .config import InputPipelineConfig
+
+    if est.config.tpu_config.per_host_input_for_training != InputPipelineConfig.BROADCAST:
+        return host_mask
+    n, rows = host_mask.shape
+    keep = np.zeros_like(host_mask)
+    keep[:, : rows // est.num_replicas] = host_mask[:, : rows // est.num_replicas]
+    return keep
+
+
+def run_eval_loops(est, input_fn, mode: str, *, steps, hooks, checkpoint_path, name) -> dict:
+    worker = HostWorker("eval-metrics")
+    acc = MetricAccumulator()
+    loss_sum, count, global_step = 0.0, 0, 0
+    try:
+        for chunk, (losses, tensors), global_step in _loops(
+            est, input_fn, mode, steps=steps, hooks=hooks, checkpoint_path=checkpoint_path
+        ):
+            mask = _dedupe_broadcast(est, chunk.host_mask)
+            per_replica = mask.reshape(mask.shape[0], est.num_replicas, -1).sum(-1)
+            loss_sum += float(np.where(per_replica > 0, losses * per_replica, 0.0).sum())
+            count += int(mask.sum())
+            metric_fn = est._holder[mode].eval_metrics
+            if metric_fn is not None:
+                rows = real_rows(tensors, mask)
+                worker.submit(lambda f=metric_fn[0], r=rows, c=int(mask.sum()): acc.update(f, r, c))
+        worker.join()
+    finally:
+        worker.close()
+    results: dict[str, Any] = acc.compute()
+    results["loss"] = loss_sum / count if count else 0.0
+    results["global_step"] = global_step
+    _write_results(est, results, name)
+    return results
+
+
+def _write_results(est, results: dict, name: str | None) -> None:
+    log.info("Saving dict for global step %d: %s", results["global_step"],
+             ", ".join(f"{k} = {v}" for k, v in sorted(results.items())))
+    writer = summary.writer_for(est.eval_dir(name))
+    if writer is None:
+        return
+    for key, value in results.items():
+        if key != "global_step" and np.ndim(value) == 0:
+            writer.add_scalar(key, float(value), global_step=results["global_step"])
+    writer.flush()

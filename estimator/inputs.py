@@ -1,0 +1,341 @@
+"""From input_fn to device arrays: calling, checking, stacking, padding and prefetching.
+
+The data path is one line: ``input_fn`` -> host batches -> global batch per step (per the
+``InputPipelineConfig``) -> ``n`` steps stacked ``[n, global_batch, ...]``, padded and masked
+-> device arrays sharded over ``"data"``. A background thread does all of it for the next
+loop while the current one runs; at most ``depth`` loops wait in its queue.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .config import InputPipelineConfig
+from .input_context import InputContext
+from .mesh import DATA
+
+log = logging.getLogger("estimator")
+
+_INPUT_FN_ARGS = ("params", "config", "mode", "input_context")
+
+
+def call_input_fn(input_fn: Callable, *, params: dict, config: Any, mode: str,
+                  input_context: InputContext) -> Iterator:
+    """Calls input_fn with the arguments it names and returns an iterator over its batches.
+
+    Raises:
+      ValueError: input_fn takes no ``params`` or an unknown argument.
+      TypeError: what it returned is not iterable.
+    """
+    if not callable(input_fn):
+        raise TypeError(f"input_fn must be callable, got {input_fn!r}")
+    names = [
+        p.name for p in inspect.signature(input_fn).parameters.values()
+        if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    unknown = [n for n in names if n not in _INPUT_FN_ARGS]
+    if unknown:
+        raise ValueError(
+            f"input_fn has unexpected argument(s) {unknown}; it may take {', '.join(_INPUT_FN_ARGS)}"
+        )
+    if "params" not in names:
+        raise ValueError("input_fn must take a 'params' argument (it carries the batch size)")
+    values = {"params": params, "config": config, "mode": mode, "input_context": input_context}
+    data = input_fn(**{n: values[n] for n in names})
+    if hasattr(data, "as_numpy_iterator"):
+        data = data.as_numpy_iterator()
+    if data is None:
+        raise TypeError("input_fn returned None; it must return an iterable of batches")
+    try:
+        return iter(data)
+    except TypeError:
+        raise TypeError(
+            f"input_fn must return an iterable of batches, got {type(data).__name__}"
+        ) from None
+
+
+def split_element(element: Any) -> tuple[Any, Any]:
+    """``(features, labels)`` from a batch: a 2-tuple is (features, labels), else features."""
+    if isinstance(element, tuple) and len(element) == 2:
+        return element
+    return element, None
+
+
+_CANONICAL = {np.dtype(np.float64): np.float32, np.dtype(np.int64): np.int32,
+              np.dtype(np.uint64): np.uint32}
+
+
+def _canonical(x: Any) -> np.ndarray:
+    x = np.asarray(x)
+    target = _CANONICAL.get(x.dtype)
+    return x.astype(target) if target is not None else x
+
+
+class Signature(NamedTuple):
+    """The structure, per-row shapes and dtypes every batch of a run must have."""
+
+    treedef: Any
+    paths: tuple
+    shapes: tuple  # per leaf, without the batch dimension
+    dtypes: tuple
+
+
+def signature_of(tree: Any) -> Signature:
+    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    leaves = [_canonical(x) for _, x in leaves_with_path]
+    for (path, _), x in zip(leaves_with_path, leaves):
+        if x.ndim == 0:
+            raise ValueError(
+                f"input batch entry {_name(path)} is a scalar; every entry needs a batch dimension"
+            )
+    return Signature(
+        treedef,
+        tuple(_name(p) for p, _ in leaves_with_path),
+        tuple(x.shape[1:] for x in leaves),
+        tuple(x.dtype for x in leaves),
+    )
+
+
+def _name(path) -> str:
+    return jax.tree_util.keystr(path) or "<batch>"
+
+
+def conform(tree: Any, sig: Signature, *, rows: int, allow_short: bool) -> tuple[list, int]:
+    """Checks one batch against the run's signature; returns (leaves, real rows).
+
+    Dtypes that can be cast safely are converted (so nothing recompiles); others, a changed
+    structure or shape, or more rows than the batch size are errors naming the entry.
+    """
+    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    if treedef != sig.treedef:
+        raise ValueError(
+            f"input batch structure changed: expected {sig.treedef}, got {treedef}"
+        )
+    out, n = [], None
+    for (path, x), shape, dtype in zip(leaves_with_path, sig.shapes, sig.dtypes):
+        x = _canonical(x)
+        name = _name(path)
+        if x.ndim == 0 or x.shape[1:] != shape:
+            raise ValueError(
+                f"input batch entry {name} has shape {x.shape}, expected (batch, *{shape}) "
+                f"with batch {rows}"
+            )
+        if x.dtype != dtype:
+            if not np.can_cast(x.dtype, dtype, casting="same_kind"):
+                raise TypeError(
+                    f"input batch entry {name} has dtype {x.dtype}, expected {dtype}; a new dtype "
+                    "would recompile the loop, so cast it in input_fn"
+                )
+            x = x.astype(dtype)
+        if n is None:
+            n = x.shape[0]
+        elif x.shape[0] != n:
+            raise ValueError(
+                f"input batch entry {name} has {x.shape[0]} rows but other entries have {n}"
+            )
+        out.append(x)
+    n = n or 0
+    if n > rows or (n < rows and not allow_short):
+        raise ValueError(
+            f"input batch has {n} rows, expected batch size {rows} (entry {sig.paths[0]}, "
+            f"shape {out[0].shape if out else ()})"
+        )
+    return out, n
+
+
+def _pad(leaves: list, rows: int) -> list:
+    return [
+        x if x.shape[0] == rows else
+        np.concatenate([x, np.zeros((rows - x.shape[0], *x.shape[1:]), x.dtype)])
+        for x in leaves
+    ]
+
+
+class Chunk(NamedTuple):
+    """One loop's worth of input on the devices, plus what the host needs to know of it."""
+
+    features: Any
+    labels: Any
+    mask: Any  # device float32 [n, global batch]
+    host_mask: np.ndarray  # bool [n, global batch]
+    steps: int  # real steps (batches with at least one real row)
+    pulls: int  # batches taken from the input iterator
+
+
+class Pipeline:
+    """Turns one input_fn stream into global batches for the configured pipeline mode.
+
+    Args:
+      iterator: what input_fn returned.
+      mode_cfg: the InputPipelineConfig.
+      global_batch: the global batch size (rows across all replicas per step).
+      num_replicas: replicas in the mesh.
+      pad: whether a short final batch is padded (eval/predict) or dropped (train).
+    """
+
+    def __init__(self, iterator: Iterator, *, mode_cfg: InputPipelineConfig, global_batch: int,
+                 num_replicas: int, pad: bool):
+        self.it = iterator
+        self.mode_cfg = mode_cfg
+        self.num_replicas = num_replicas
+        self.pad = pad
+        if mode_cfg == InputPipelineConfig.BROADCAST:
+            self.pulls_per_step, self.rows_per_pull = 1, global_batch
+        elif mode_cfg in (InputPipelineConfig.PER_HOST_V2, InputPipelineConfig.PER_SHARD_V1):
+            self.pulls_per_step, self.rows_per_pull = num_replicas, global_batch // num_replicas
+        else:
+            self.pulls_per_step, self.rows_per_pull = 1, global_batch
+        self.sig: Signature | None = None
+        self.has_labels: bool | None = None
+        self.exhausted = False
+        self.pulled = 0
+
+    def _pull(self) -> tuple[list, int] | None:
+        try:
+            element = next(self.it)
+        except StopIteration:
+            self.exhausted = True
+            return None
+        self.pulled += 1
+        features, labels = split_element(element)
+        if self.sig is None:
+            self.has_labels = labels is not None
+            self.sig = signature_of((features, labels))
+        return conform((features, labels), self.sig, rows=self.rows_per_pull, allow_short=True)
+
+    def skip(self, pulls: int) -> int:
+        """Fast-forwards ``pulls`` batches; returns how many were really there."""
+        done = 0
+        while done < pulls and not self.exhausted:
+            if self._pull() is None:
+                break
+            done += 1
+        return done
+
+    def next_step(self) -> tuple[list, np.ndarray] | None:
+        """One step's global batch leaves (padded) and its row mask, or None at the end."""
+        parts, masks = [], []
+        for _ in range(self.pulls_per_step):
+            got = self._pull()
+            if got is None:
+                break
+            leaves, n = got
+            if n < self.rows_per_pull and not self.pad:
+                log.warning(
+                    "Dropping a final partial training batch of %d rows (batch size %d).",
+                    n, self.rows_per_pull,
+                )
+                return None
+            parts.append(_pad(leaves, self.rows_per_pull))
+            masks.append(np.arange(self.rows_per_pull) < n)
+        if not parts or not any(m.any() for m in masks):
+            return None
+        while len(parts) < self.pulls_per_step:  # a partial step in PER_HOST_V2: pad replicas
+            parts.append([np.zeros_like(x) for x in parts[0]])
+            masks.append(np.zeros(self.rows_per_pull, bool))
+        leaves = [np.concatenate(xs) for xs in zip(*parts)]
+        mask = np.concatenate(masks)
+        if self.mode_cfg == InputPipelineConfig.BROADCAST:  # every replica gets the whole batch
+            leaves = [np.concatenate([x] * self.num_replicas) for x in leaves]
+            mask = np.concatenate([mask] * self.num_replicas)
+        return leaves, mask
+
+    def empty_step(self) -> tuple[list, np.ndarray]:
+        rows = self.rows_per_pull * self.pulls_per_step
+        if self.mode_cfg == InputPipelineConfig.BROADCAST:
+            rows *= self.num_replicas
+        leaves = [np.zeros((rows, *s), d) for s, d in zip(self.sig.shapes, self.sig.dtypes)]
+        return leaves, np.zeros(rows, bool)
+
+
+def read_chunk(pipe: Pipeline, n: int, *, fill: bool, mesh: Mesh) -> Chunk | None:
+    """Reads up to ``n`` steps; ``fill`` pads a short final loop with empty steps."""
+    start = pipe.pulled
+    steps = []
+    while len(steps) < n:
+        step = pipe.next_step()
+        if step is None:
+            break
+        steps.append(step)
+    if not steps:
+        return None
+    real = len(steps)
+    if fill:
+        steps += [pipe.empty_step() for _ in range(n - real)]
+    leaves = [np.stack(xs) for xs in zip(*(s[0] for s in steps))]
+    host_mask = np.stack([s[1] for s in steps])
+    features, labels = jax.tree.unflatten(pipe.sig.treedef, leaves)
+    sharding = NamedSharding(mesh, P(None, DATA))
+    features, labels, mask = jax.device_put(
+        (features, labels, host_mask.astype(np.float32)), sharding
+    )
+    return Chunk(features, labels, mask, host_mask, real, pipe.pulled - start)
+
+
+_DONE = object()
+
+
+class Prefetcher:
+    """Runs ``produce()`` on a background thread, at most ``depth`` results ahead.
+
+    Errors raised by the producer (input_fn included) are raised in the consumer's thread with
+    their original traceback. ``close()`` stops the thread early.
+    """
+
+    def __init__(self, produce: Callable[[], Any], *, depth: int = 2):
+        self._produce = produce
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._finished = False
+        self._thread = threading.Thread(target=self._run, name="input-prefetch", daemon=True)
+        self._thread.start()
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self):
+        try:
+            while not self._stop.is_set():
+                item = self._produce()
+                if item is None:
+                    break
+                if not self._put(item):
+                    return
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            self._put(e)
+            return
+        self._put(_DONE)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._finished:
+            raise StopIteration
+        item = self._queue.get()
+        if item is _DONE:
+            self._finished = True
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(timeout=10)

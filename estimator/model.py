@@ -1,0 +1,157 @@
+"""Calling the user's model_fn: argument introspection and the Flax root module it builds under.
+
+Modules that model_fn constructs attach to ``_Root``'s compact scope, so the estimator owns
+every variable: ``params`` is what ``train_op`` trains and every other collection is state.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+
+from . import context
+from .spec import ModeKeys, TPUEstimatorSpec, as_tpu_spec
+
+_MODEL_FN_ARGS = ("features", "labels", "mode", "params", "config")
+RESERVED_PARAMS = ("batch_size", "context")
+
+
+def model_fn_args(model_fn: Callable) -> tuple[str, ...]:
+    """The argument names model_fn takes, checked against TPUEstimator's rules.
+
+    Raises:
+      ValueError: an unknown argument name, or no ``params`` argument.
+    """
+    fn = model_fn.func if hasattr(model_fn, "func") else model_fn
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"model_fn is not inspectable: {e}") from None
+    names = []
+    for p in sig.parameters.values():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.name == "self":
+            continue
+        if p.name not in _MODEL_FN_ARGS:
+            raise ValueError(
+                f"model_fn has an unexpected argument {p.name!r}; it may take only "
+                f"{', '.join(_MODEL_FN_ARGS)}"
+            )
+        names.append(p.name)
+    if hasattr(model_fn, "keywords"):
+        names = [n for n in names if n not in model_fn.keywords]
+    if "features" not in names:
+        raise ValueError("model_fn must take a 'features' argument")
+    if "params" not in names:
+        raise ValueError(
+            "model_fn must take a 'params' argument: the estimator passes the per-replica "
+            "batch size to it as params['batch_size']"
+        )
+    return tuple(names)
+
+
+def user_params(params: Any) -> dict:
+    """A deep copy of the user's params, refusing the keys the estimator reserves."""
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        try:
+            params = dict(params)
+        except (TypeError, ValueError):
+            raise TypeError(f"params must be a dict, got {type(params).__name__}") from None
+    for key in RESERVED_PARAMS:
+        if key in params:
+            raise ValueError(f"params[{key!r}] is reserved by the estimator; use another name")
+    return copy.deepcopy(params)
+
+
+class _Root(nn.Module):
+    """Calls model_fn inside a compact scope so the modules it makes become our children."""
+
+    model_fn: Callable
+    arg_names: tuple
+    mode: str
+    params: dict
+    config: Any
+
+    @nn.compact
+    def __call__(self, features, labels):
+        values = {
+            "features": features,
+            "labels": labels,
+            "mode": self.mode,
+            "params": self.params,
+            "config": self.config,
+        }
+        return self.model_fn(**{n: values[n] for n in self.arg_names})
+
+
+class ModelFn:
+    """The user's model_fn with its arguments resolved, callable for one replica's batch."""
+
+    def __init__(self, model_fn: Callable, params: dict, config: Any):
+        self.fn = model_fn
+        self.arg_names = model_fn_args(model_fn)
+        self.params = params
+        self.config = config
+
+    def check_labels(self, has_labels: bool) -> None:
+        if has_labels and "labels" not in self.arg_names:
+            raise ValueError(
+                "input_fn returned labels, but model_fn does not take a 'labels' argument"
+            )
+
+    def _root(self, mode: str, batch_size: int | None) -> _Root:
+        params = copy.deepcopy(self.params)
+        if batch_size is not None:
+            params["batch_size"] = batch_size
+        params["context"] = None
+        return _Root(self.fn, self.arg_names, mode, params, self.config)
+
+    def init(self, rngs: dict, features, labels, *, mode: str, batch_size: int | None, mask, step):
+        """Creates every variable by tracing model_fn once; returns (variables, spec)."""
+        root = self._root(mode, batch_size)
+        with context.calling_model_fn(context.CallContext(mode, mask, step)):
+            spec, variables = root.init_with_output(rngs, features, labels)
+        return variables, as_tpu_spec(spec, mode)
+
+    def apply(
+        self,
+        variables: dict,
+        features,
+        labels,
+        *,
+        mode: str,
+        batch_size: int | None,
+        mask,
+        step,
+        rngs: dict | None = None,
+        mutable: tuple = (),
+    ) -> tuple[TPUEstimatorSpec, dict]:
+        """Runs model_fn on existing variables; returns (spec, updated mutable collections)."""
+        root = self._root(mode, batch_size)
+        with context.calling_model_fn(context.CallContext(mode, mask, step)):
+            if mutable:
+                spec, new_vars = root.apply(
+                    variables, features, labels, rngs=rngs, mutable=list(mutable)
+                )
+            else:
+                spec, new_vars = root.apply(variables, features, labels, rngs=rngs), {}
+        return as_tpu_spec(spec, mode), dict(new_vars)
+
+
+def step_rngs(base_key: jax.Array, step, replica) -> dict:
+    """Per-step, per-replica RNG streams: ``params`` (the fallback for any stream name a
+    module asks for) and ``dropout``, derived from the seed, the global step and the replica."""
+    key = jax.random.fold_in(jax.random.fold_in(base_key, step), replica)
+    k_params, k_dropout = jax.random.split(key)
+    return {"params": k_params, "dropout": k_dropout}
+
+
+__all__ = ["ModeKeys", "ModelFn", "model_fn_args", "user_params", "step_rngs"]

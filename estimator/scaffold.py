@@ -1,0 +1,180 @@
+"""Fresh-start initialisation: ``Scaffold(init_fn)``, ``init_from_checkpoint``, warm start.
+
+All of these run only when training starts with no checkpoint in ``model_dir``; a resumed
+run never re-initialises. They see and return every collection (``params`` and e.g.
+``batch_stats``) as numpy, named ``module/.../leaf`` for params and
+``collection/module/.../leaf`` for other collections.
+
+Example:
+  >>> def scaffold_fn():
+  ...     return estimator.Scaffold(
+  ...         init_fn=estimator.init_from_checkpoint("/runs/pretrain", {"encoder/": "encoder/"}))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from .checkpoint import read_variables
+from .spec import ModeKeys
+
+log = logging.getLogger("estimator")
+
+
+@dataclasses.dataclass
+class Scaffold:
+    """TF's Scaffold, reduced to what JAX needs: ``init_fn(variables) -> variables``."""
+
+    init_fn: Callable[[dict], dict] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartSettings:
+    """Which variables ``warm_start_from`` restores (TF's ``WarmStartSettings``).
+
+    Args:
+      ckpt_to_initialize_from: a checkpoint step directory or a model_dir (its latest).
+      vars_to_warm_start: a regex matched against variable names; the default covers every
+        collection, batch statistics included (TF's default covered trainable ones only).
+    """
+
+    ckpt_to_initialize_from: str
+    vars_to_warm_start: str = ".*"
+
+
+def flatten(variables: dict) -> dict[str, Any]:
+    """``{name: array}`` with params unprefixed and other collections prefixed."""
+    out = {}
+    for collection, tree in variables.items():
+        prefix = "" if collection == "params" else f"{collection}/"
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            out[prefix + "/".join(str(getattr(k, "key", k)) for k in path)] = leaf
+    return out
+
+
+def unflatten_into(variables: dict, values: dict[str, Any]) -> dict:
+    """``variables`` with the named leaves replaced."""
+    def replace(collection, tree):
+        prefix = "" if collection == "params" else f"{collection}/"
+
+        def one(path, leaf):
+            name = prefix + "/".join(str(getattr(k, "key", k)) for k in path)
+            return values.get(name, leaf)
+
+        return jax.tree_util.tree_map_with_path(one, tree)
+
+    return {c: replace(c, t) for c, t in variables.items()}
+
+
+def _restore_matching(variables: dict, source: dict, mapping: Callable[[str], str | None],
+                      what: str) -> dict:
+    current = flatten(variables)
+    updates, matched = {}, []
+    for name, value in current.items():
+        src = mapping(name)
+        if src is None or src not in source:
+            continue
+        got = np.asarray(source[src])
+        if got.shape != np.shape(value):
+            raise ValueError(
+                f"{what}: variable {name!r} has shape {np.shape(value)} but checkpoint "
+                f"variable {src!r} has shape {got.shape}"
+            )
+        updates[name] = got.astype(np.asarray(value).dtype)
+        matched.append(name)
+    unmatched = sorted(set(current) - set(matched))
+    log.info("%s: restored %d variables: %s", what, len(matched), sorted(matched))
+    if unmatched:
+        log.info("%s: %d variables not restored (kept their initial values): %s",
+                 what, len(unmatched), unmatched)
+    return unflatten_into(variables, updates)
+
+
+def init_from_checkpoint(path: str, assignment_map: dict[str, str]) -> Callable[[dict], dict]:
+    """An ``init_fn`` restoring variables from a checkpoint by name (TF's semantics).
+
+    Args:
+      path: a checkpoint step directory or a model_dir (its latest checkpoint).
+      assignment_map: ``{checkpoint_name_or_prefix: current_name_or_prefix}``; prefixes end
+        with ``/``, and ``{"/": "/"}`` maps every variable to the same name.
+    """
+    if not isinstance(assignment_map, dict) or not assignment_map:
+        raise ValueError("assignment_map must be a non-empty dict {checkpoint_name: name}")
+
+    def mapping(name: str) -> str | None:
+        for src, dst in assignment_map.items():
+            if dst == "/" :
+                return (src.rstrip("/") + "/" + name).lstrip("/") if src != "/" else name
+            if dst.endswith("/") and name.startswith(dst):
+                return src + name[len(dst):]
+            if name == dst:
+                return src
+        return None
+
+    def init_fn(variables: dict) -> dict:
+        return _restore_matching(variables, read_variables(path), mapping,
+                                 f"init_from_checkpoint({path})")
+
+    return init_fn
+
+
+def _warm_start_fn(setting: Any) -> Callable[[dict], dict]:
+    if isinstance(setting, str) or hasattr(setting, "__fspath__"):
+        setting = WarmStartSettings(str(setting))
+    if not isinstance(setting, WarmStartSettings):
+        raise TypeError(
+            f"warm_start_from must be a path or WarmStartSettings, got {type(setting).__name__}"
+        )
+    pattern = re.compile(setting.vars_to_warm_start)
+
+    def init_fn(variables: dict) -> dict:
+        source = read_variables(setting.ckpt_to_initialize_from)
+        return _restore_matching(variables, source,
+                                 lambda n: n if pattern.match(n) else None,
+                                 f"warm_start_from({setting.ckpt_to_initialize_from})")
+
+    return init_fn
+
+
+def _call_scaffold_fn(scaffold_fn: Callable) -> Scaffold:
+    try:
+        scaffold = scaffold_fn()
+    except (jax.errors.UnexpectedTracerError, jax.errors.TracerArrayConversionError,
+            jax.errors.ConcretizationTypeError) as e:
+        raise ValueError(
+            "scaffold_fn depends on a value computed inside the compiled model_fn; it runs on "
+            "the host and may only use Python values and checkpoints"
+        ) from e
+    if not isinstance(scaffold, Scaffold):
+        raise ValueError(f"scaffold_fn must return an estimator.Scaffold, got {scaffold!r}")
+    return scaffold
+
+
+def fresh_init_fn(est) -> Callable[[dict], dict] | None:
+    """Warm start then the spec's scaffold ``init_fn``, composed; None when neither is set."""
+    fns = []
+    if est._warm_start_from is not None:
+        fns.append(_warm_start_fn(est._warm_start_from))
+    scaffold_fn = est._holder[ModeKeys.TRAIN].scaffold_fn
+    if scaffold_fn is not None:
+        scaffold = _call_scaffold_fn(scaffold_fn)
+        if scaffold.init_fn is not None:
+            fns.append(scaffold.init_fn)
+    if not fns:
+        return None
+
+    def init_fn(variables: dict) -> dict:
+        for fn in fns:
+            variables = fn(variables)
+            if not isinstance(variables, dict):
+                raise TypeError("Scaffold.init_fn must return the variables dict")
+        return variables
+
+    return init_fn

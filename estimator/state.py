@@ -1,0 +1,127 @@
+"""Creating, restoring and placing the training state and the variables of a model."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from . import checkpoint as ckpt_lib
+from .inputs import Chunk
+from .loops import TrainState
+from .runtime import seed_key_data
+from .spec import ModeKeys
+
+log = logging.getLogger("estimator")
+
+
+def first_batch(chunk: Chunk) -> tuple[Any, Any]:
+    """Step 0's global (features, labels) of a chunk."""
+    return jax.tree.map(lambda x: x[0], (chunk.features, chunk.labels))
+
+
+def _replicated(est, tree: Any) -> Any:
+    sharding = NamedSharding(est.mesh, P())
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree
+    )
+
+
+def _place(est, tree: Any) -> Any:
+    return jax.device_put(tree, NamedSharding(est.mesh, P()))
+
+
+def _init_args(est, chunk: Chunk):
+    rng = seed_key_data(est.config.tf_random_seed)
+    features, labels = first_batch(chunk)
+    return rng, jnp.int32(0), features, labels
+
+
+def abstract_variables(est, mode: str, chunk: Chunk, batch_size: int) -> dict:
+    """Shapes of every variable, by tracing model_fn in ``mode`` (nothing is computed)."""
+    init = est._loop(f"init_{mode}", batch_size)
+    return _replicated(est, jax.eval_shape(init, *_init_args(est, chunk)))
+
+
+def _split(variables: dict) -> tuple[Any, dict]:
+    variables = dict(variables)
+    params = variables.pop("params", {})
+    return params, variables
+
+
+def _train_extras(est, params: Any) -> dict:
+    tx = est._holder[ModeKeys.TRAIN].train_op
+    return {
+        "opt_state": jax.eval_shape(tx.init, params),
+        "step": jax.ShapeDtypeStruct((), jnp.int32),
+        "rng": jax.ShapeDtypeStruct((2,), jnp.uint32),
+        "nonfinite": jax.ShapeDtypeStruct((), jnp.int32),
+    }
+
+
+def to_train_state(variables: dict, train: dict) -> TrainState:
+    params, rest = _split(variables)
+    return TrainState(params, rest, train["opt_state"], train["step"], train["rng"],
+                      train["nonfinite"])
+
+
+def train_state_parts(state: TrainState) -> tuple[dict, dict]:
+    variables = {"params": state.params, **state.state}
+    train = {"opt_state": state.opt_state, "step": state.step, "rng": state.rng,
+             "nonfinite": state.nonfinite}
+    return variables, train
+
+
+def fresh_train_state(est, chunk: Chunk, batch_size: int, make_init_fn=None) -> TrainState:
+    """Initialises every variable and the optimizer; ``make_init_fn()`` (called after
+    model_fn was traced, so the spec's scaffold_fn is known) may then replace variables."""
+    init = est._loop("init_train", batch_size)
+    args = _init_args(est, chunk)
+    variables = init(*args)
+    init_fn = make_init_fn() if make_init_fn is not None else None
+    if init_fn is not None:
+        variables = _place(est, init_fn(jax.device_get(variables)))
+    params, _ = _split(variables)
+    tx = est._holder[ModeKeys.TRAIN].train_op
+    opt_state = jax.jit(tx.init, out_shardings=NamedSharding(est.mesh, P()))(params)
+    train = _place(est, {"opt_state": opt_state, "step": jnp.int32(0), "rng": args[0],
+                         "nonfinite": jnp.int32(0)})
+    return to_train_state(variables, train)
+
+
+def restore_train_state(est, ckpts: ckpt_lib.Checkpoints, chunk: Chunk,
+                        batch_size: int) -> tuple[TrainState, dict] | None:
+    """The newest readable checkpoint as a TrainState, with its meta; None if there is none."""
+    if not ckpts.steps():
+        return None
+    variables = abstract_variables(est, ModeKeys.TRAIN, chunk, batch_size)
+    params, _ = _split(variables)
+    train = _replicated(est, _train_extras(est, params))
+    got = ckpts.restore_latest(variables=variables, train=train)
+    if got is None:
+        return None
+    step, out = got
+    log.info("Restored checkpoint %s", ckpts.path(step))
+    return to_train_state(out["variables"], out["train"]), out["meta"]
+
+
+def restore_variables(est, mode: str, chunk: Chunk, batch_size: int,
+                      checkpoint_path: str | None) -> tuple[dict, int]:
+    """Variables for evaluate/predict from ``checkpoint_path`` or the latest checkpoint.
+
+    Raises:
+      ValueError: no checkpoint exists (TF: "Could not find trained model").
+    """
+    model_dir, step = ckpt_lib.resolve_path(checkpoint_path, est.model_dir)
+    ckpts = est._reader_checkpoints(model_dir)
+    template = abstract_variables(est, mode, chunk, batch_size)
+    got = ckpts.restore_latest(variables=template, step=step)
+    if got is None:
+        raise ValueError(f"Could not find trained model in model_dir: {model_dir}")
+    step, out = got
+    return out["variables"], int(np.asarray(out["meta"]["global_step"]))

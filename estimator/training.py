@@ -1,0 +1,205 @@
+"""The training loop: short and linear; logging, summaries and checkpoints attach around it.
+
+One iteration: hooks' before_run -> one compiled call of ``n`` steps -> fetch the per-step
+outputs once -> host_call and summaries on the host thread -> hooks' after_run (the NaN check
+among them) -> maybe checkpoint. The next loop's input is already on the devices.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+import hooks as hooks_lib
+
+from . import summary
+from .hook_runner import HookRunner, Session
+from .host import HostWorker, run_host_calls
+from .inputs import Prefetcher
+from .spec import ModeKeys
+from .state import fresh_train_state, restore_train_state, train_state_parts
+
+log = logging.getLogger("estimator")
+
+
+class _Saver:
+    """Writes checkpoints at the configured cadence and at the end; never twice a step."""
+
+    def __init__(self, est, ckpts, state_ref: list, pulls_ref: list):
+        self.est, self.ckpts = est, ckpts
+        self.state_ref, self.pulls_ref = state_ref, pulls_ref
+        cfg = est.config
+        self.every_steps = cfg.save_checkpoints_steps
+        self.every_secs = cfg.checkpoint_every_secs
+        self.last_step = None
+        self.last_time = time.monotonic()
+
+    def save(self, step: int | None = None) -> str | None:
+        state = self.state_ref[0]
+        step = int(jax.device_get(state.step)) if step is None else step
+        if step == self.last_step:
+            return self.ckpts.path(step)
+        variables, train = train_state_parts(state)
+        meta = {"global_step": step, "input_pulls": self.pulls_ref[0]}
+        self.ckpts.save(step, variables, train, meta)
+        log.info("Saving checkpoints for %d into %s.", step, self.ckpts.path(step))
+        self.last_step, self.last_time = step, time.monotonic()
+        return self.ckpts.path(step)
+
+    def maybe_save(self, step: int) -> None:
+        due_steps = self.every_steps and step - (self.last_step or 0) >= self.every_steps
+        due_secs = self.every_secs and time.monotonic() - self.last_time >= self.every_secs
+        if due_steps or due_secs:
+            self.save(step)
+
+
+def _default_hooks(est, writer) -> list:
+    every = est.config.log_step_count_steps or 0
+    out = [] if est.config.skip_nonfinite_steps else [hooks_lib.NanTensorHook("loss")]
+    if every:
+        out.append(hooks_lib.StepCounterHook(every_n_steps=every, summary_writer=writer))
+    return out
+
+
+def _log_loss(every: int, losses: np.ndarray, steps: np.ndarray, clock: list) -> None:
+    if not every or not any(s % every == 0 for s in steps):
+        return
+    now = time.monotonic()
+    log.info("loss = %s, step = %d (%.3f sec)", float(np.mean(losses)), int(steps[-1]),
+             now - clock[0])
+    clock[0] = now
+
+
+def _write_summaries(writer, every: int, losses: np.ndarray, steps: np.ndarray,
+                     nonfinite: int | None) -> None:
+    if writer is None or not every:
+        return
+    for loss, step in zip(losses, steps):
+        if step % every == 0:
+            writer.add_scalar("loss", float(loss), global_step=int(step))
+            if nonfinite is not None:
+                writer.add_scalar("nonfinite_steps", nonfinite, global_step=int(step))
+
+
+def _start(est, input_fn, batch_size, ckpts, target_fn):
+    """Builds the input stream and the state (restored, or fresh with scaffold/warm start)."""
+    latest = ckpts.steps()
+    meta = ckpts.meta(latest[-1]) if latest else {}
+    skip = meta.get("input_pulls", 0) if est.config.resume_input_position else 0
+    pipe = est._pipeline(input_fn, ModeKeys.TRAIN, pad=False)
+    planned = [meta.get("global_step", 0)]
+    ipl = est.config.tpu_config.iterations_per_loop
+
+    def schedule() -> int:
+        target = target_fn(planned[0])
+        n = ipl if target is None else min(ipl, target - planned[0])
+        planned[0] += max(n, 0)
+        return n
+
+    prefetch = est._prefetch(pipe, schedule, fill=False, skip=skip)
+    try:
+        first = next(prefetch)
+    except StopIteration:
+        prefetch.close()
+        if skip:
+            log.warning("Input ended: nothing left to train after %d consumed batches.", skip)
+            return None
+        raise ValueError("input_fn produced no training batches") from None
+    model_batch = jax.tree.leaves(first.features)[0].shape[1] // est.num_replicas
+    est._model.check_labels(pipe.has_labels)
+    restored = restore_train_state(est, ckpts, first, model_batch)
+    if restored is not None:
+        state, meta = restored
+        pulls = int(meta.get("input_pulls", 0))
+    else:
+        from .scaffold import fresh_init_fn
+
+        state = fresh_train_state(est, first, model_batch, lambda: fresh_init_fn(est))
+        pulls = 0
+    return state, pulls, first, prefetch, model_batch
+
+
+def run_train_loops(est, input_fn, *, hooks, steps, max_steps) -> None:
+    ckpts = est._writer_checkpoints()
+    latest = ckpts.steps()
+    start_step = latest[-1] if latest else 0
+    if max_steps is not None and start_step >= max_steps:
+        log.info("Skipping training since max_steps has already saved (step %d).", start_step)
+        return
+    batch_size = est._global_batch(ModeKeys.TRAIN)
+    begin_step = start_step
+
+    def target_fn(_planned):
+        if max_steps is not None:
+            return max_steps
+        return None if steps is None else begin_step + steps
+
+    started = _start(est, input_fn, batch_size, ckpts, target_fn)
+    if started is None:
+        return
+    state, pulls, first, prefetch, model_batch = started
+    _train(est, ckpts, state, pulls, first, prefetch, model_batch, hooks)
+
+
+def _train(est, ckpts, state, pulls, first, prefetch: Prefetcher, model_batch, user_hooks):
+    cfg = est.config
+    writer = summary.writer_for(est.model_dir)
+    spec = est._holder[ModeKeys.TRAIN]
+    state_ref, pulls_ref = [state], [pulls]
+    saver = _Saver(est, ckpts, state_ref, pulls_ref)
+    step = int(jax.device_get(state.step))
+    saver.last_step = step if ckpts.steps() else None
+    global_batch = est._batch[ModeKeys.TRAIN] or model_batch
+    session = Session(mode=ModeKeys.TRAIN, model_dir=est.model_dir, global_step=step,
+                      save=saver.save)
+    all_hooks = _default_hooks(est, writer) + list(spec.training_hooks) + list(user_hooks or ())
+    runner = HookRunner(all_hooks, session, examples_per_step=global_batch)
+    loop = est._loop(ModeKeys.TRAIN, model_batch)
+    worker = HostWorker()
+    every_n = cfg.tpu_config.host_call_every_n_steps
+    clock = [time.monotonic()]
+    runner.begin()
+    runner.after_create_session()
+    chunk = first
+    try:
+        while chunk is not None:
+            steps = np.arange(step + 1, step + chunk.steps + 1)
+            runner.before_run(steps)
+            state, (losses, host) = loop(state_ref[0], chunk.features, chunk.labels)
+            state_ref[0] = state
+            losses, host = jax.device_get((losses, host))
+            step += chunk.steps
+            pulls_ref[0] += chunk.pulls
+            session.global_step = step
+            host_call = est._holder[ModeKeys.TRAIN].host_call
+            if host_call is not None:
+                worker.submit(lambda f=host_call[0], h=host, s=steps:
+                              run_host_calls(f, h, s, every_n, writer))
+            nonfinite = (int(jax.device_get(state.nonfinite))
+                         if cfg.skip_nonfinite_steps else None)
+            worker.submit(lambda l=losses, s=steps, nf=nonfinite:
+                          _write_summaries(writer, cfg.save_summary_steps, l, s, nf))
+            _log_loss(cfg.log_step_count_steps, losses, steps, clock)
+            values = {"loss": losses, "global_step": steps}
+            if isinstance(host, dict):
+                values.update(host)
+            stop = runner.after_run(values, steps)
+            worker.check()
+            saver.maybe_save(step)
+            if stop:
+                break
+            chunk = next(prefetch, None)
+        runner.end()
+        worker.join()
+        saver.save(step)
+        log.info("Loss for final step: %s.", float(losses[-1]))
+    finally:
+        prefetch.close()
+        worker.close()
+        ckpts.wait()
+        if writer is not None:
+            writer.flush()
