@@ -23,7 +23,7 @@ from estimator.mesh import DATA, MODEL, make_mesh
 
 
 def _topology_devices(topology: Any) -> list[jax.Device]:
-    """The devices of ``topology``: None (all devices), a sequence, or an object with ``devices``."""
+    """Devices of ``topology``: None (all), a sequence, or an object with ``devices``."""
     if topology is None:
         return list(jax.devices())
     devices = getattr(topology, "devices", topology)

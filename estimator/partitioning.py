@@ -97,13 +97,25 @@ def partition_spec_from_dims(
     return P(*entries)
 
 
+def _constrain(x: PyTree, spec: P, mesh: Mesh | None) -> PyTree:
+    # Inside shard_map only a bare PartitionSpec works (a NamedSharding names the manual
+    # "data" axis as Auto and is rejected); outside one, a bare spec needs a mesh context.
+    sharding = spec if mesh is None else NamedSharding(mesh, spec)
+    return jax.tree.map(lambda a: lax.with_sharding_constraint(a, sharding), x)
+
+
 def split_to_logical_devices(
-    x: jax.Array, partition_dimensions: Sequence[int], *, num_cores_per_replica: int
+    x: jax.Array,
+    partition_dimensions: Sequence[int],
+    *,
+    num_cores_per_replica: int,
+    mesh: Mesh | None = None,
 ) -> jax.Array:
     """Shards ``x`` within the replica: dimension ``i`` over ``partition_dimensions[i]`` cores.
 
-    A sharding annotation (``lax.with_sharding_constraint`` with a bare ``PartitionSpec``),
-    to be used while tracing inside ``TPUStrategy.run`` or ``model_fn``; values are unchanged.
+    A sharding annotation (``lax.with_sharding_constraint`` with a bare ``PartitionSpec``)
+    for code traced inside ``TPUStrategy.run`` or ``model_fn``; values are unchanged. Pass
+    ``mesh`` to use it outside a replicated computation (the whole array, on ``mesh``).
 
     Raises:
       ValueError: as TF: the dims do not match ``x``'s rank, their product is not
@@ -116,21 +128,21 @@ def split_to_logical_devices(
             f"{x.ndim} (shape {tuple(x.shape)})"
         )
     spec = partition_spec_from_dims(dims, num_cores_per_replica=num_cores_per_replica)
-    for size, d in zip(x.shape, dims):
+    for size, d in zip(x.shape, dims, strict=True):
         if size % d:
             raise ValueError(
                 f"tensor shape {tuple(x.shape)} is not divisible by partition dimensions {dims}"
             )
-    return lax.with_sharding_constraint(x, spec)
+    return _constrain(x, spec, mesh)
 
 
-def replicate_to_logical_devices(x: PyTree) -> PyTree:
+def replicate_to_logical_devices(x: PyTree, *, mesh: Mesh | None = None) -> PyTree:
     """Keeps every leaf of ``x`` whole on each core of the replica (constraint ``P()``)."""
-    return jax.tree.map(lambda a: lax.with_sharding_constraint(a, P()), x)
+    return _constrain(x, P(), mesh)
 
 
 def assign_to_logical_device(
-    x: PyTree, logical_device_id: int, *, num_cores_per_replica: int
+    x: PyTree, logical_device_id: int, *, num_cores_per_replica: int, mesh: Mesh | None = None
 ) -> PyTree:
     """TF's single-core placement; in JAX the value is replicated over the replica's cores.
 
@@ -146,7 +158,7 @@ def assign_to_logical_device(
             f"logical_device_id {logical_device_id} out of range: each replica has "
             f"{num_cores_per_replica} logical devices"
         )
-    return replicate_to_logical_devices(x)
+    return replicate_to_logical_devices(x, mesh=mesh)
 
 
 def _is_box(x: Any) -> bool:
@@ -219,7 +231,7 @@ def param_shardings(mesh: Mesh, variables: PyTree, *, rules: Rules | None = None
     shapes = jax.tree.map(lambda a: tuple(getattr(a, "shape", ())), unbox(variables))
 
     def sharding(path: Any, spec: P, shape: tuple[int, ...]) -> NamedSharding:
-        for size, entry in zip(shape, spec):
+        for size, entry in zip(shape, spec, strict=False):
             axes = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
             missing = [a for a in axes if a not in mesh.shape]
             if missing:
