@@ -202,7 +202,7 @@ class Collecting(Metric):
         if self.chunks and other.chunks:
             mine, theirs = self.chunks[0], other.chunks[0]
             if len(mine) != len(theirs) or any(
-                a.shape[1:] != b.shape[1:] for a, b in zip(mine, theirs)
+                a.shape[1:] != b.shape[1:] for a, b in zip(mine, theirs, strict=True)
             ):
                 raise ValueError(
                     "Cannot merge Collecting metrics whose arrays differ in number or trailing "
@@ -218,7 +218,7 @@ class Collecting(Metric):
         """
         if not self.chunks:
             raise ValueError("Collecting metric has no data: nothing was collected.")
-        arrays = (np.concatenate(parts, axis=0) for parts in zip(*self.chunks))
+        arrays = (np.concatenate(parts, axis=0) for parts in zip(*self.chunks, strict=True))
         return self.fn(*arrays)
 
 

@@ -27,11 +27,6 @@ from metrics.base import Metric, static_field
 
 Thresholds = float | Sequence[float] | None
 
-_AUC_EPSILON = 1e-7  # TF's `kepsilon`: endpoint thresholds sit just outside [0, 1].
-_DIVISION_EPSILON = 1e-6  # TF's `epsilon` in compute_auc.
-_CURVES = ("ROC", "PR")
-_SUMMATIONS = ("trapezoidal", "careful_interpolation", "minoring", "majoring")
-
 
 def _threshold_array(thresholds: Thresholds) -> tuple[np.ndarray, bool]:
     """Returns (thresholds as a 1-D float64 array, whether results are scalars)."""
@@ -40,12 +35,13 @@ def _threshold_array(thresholds: Thresholds) -> tuple[np.ndarray, bool]:
     array = _inputs.to_array(thresholds, "thresholds").astype(np.float64)
     if array.ndim > 1 or array.size == 0 or not np.all(np.isfinite(array)):
         raise ValueError(
-            f"`thresholds` must be a float or a non-empty list of finite floats, got {thresholds!r}."
+            "`thresholds` must be a float or a non-empty list of finite floats, "
+            f"got {thresholds!r}."
         )
     return array.reshape(-1), array.ndim == 0
 
 
-def _counts(
+def counts_at_thresholds(
     labels: ArrayLike,
     predictions: ArrayLike,
     weights: ArrayLike | None,
@@ -89,7 +85,7 @@ def _counts(
     return result
 
 
-def _div_no_nan(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
+def div_no_nan(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
     safe = np.where(denominator != 0, denominator, 1.0)
     return np.where(denominator != 0, numerator / safe, 0.0)
 
@@ -123,7 +119,7 @@ class _Thresholded(Metric):
     ) -> Any:
         """Same as the factory of the same name (e.g. `metrics.precision`)."""
         array, scalar = _threshold_array(thresholds)
-        counts = _counts(labels, predictions, weights, mask, array)
+        counts = counts_at_thresholds(labels, predictions, weights, mask, array)
         return cls(thresholds=array, scalar=scalar, **counts)
 
     def _value(self) -> np.ndarray:
@@ -166,44 +162,37 @@ class Precision(_Thresholded):
     """State of `metrics.precision`: `tp / (tp + fp)`, 0 when nothing is predicted positive."""
 
     def _value(self) -> np.ndarray:
-        return _div_no_nan(self.tp, self.tp + self.fp)
+        return div_no_nan(self.tp, self.tp + self.fp)
 
 
 class Recall(_Thresholded):
     """State of `metrics.recall`: `tp / (tp + fn)`, 0 when there are no positive labels."""
 
     def _value(self) -> np.ndarray:
-        return _div_no_nan(self.tp, self.tp + self.fn)
+        return div_no_nan(self.tp, self.tp + self.fn)
 
 
-def _make_factory(cls: type[_Thresholded], what: str, example: str) -> Any:
-    def factory(
-        labels: ArrayLike,
-        predictions: ArrayLike,
-        weights: ArrayLike | None = None,
-        *,
-        thresholds: Thresholds = None,
-        mask: ArrayLike | None = None,
-    ) -> Any:
-        return cls.from_model_output(
-            labels, predictions, weights, thresholds=thresholds, mask=mask
-        )
-
-    factory.__doc__ = f"""{what}
-
-    See the module docstring of `metrics` for the thresholding rule.
+def true_positives(
+    labels: ArrayLike,
+    predictions: ArrayLike,
+    weights: ArrayLike | None = None,
+    *,
+    thresholds: Thresholds = None,
+    mask: ArrayLike | None = None,
+) -> TruePositives:
+    """The weighted number of positive labels predicted positive.
 
     Args:
       labels: array of the same shape as `predictions`, cast to bool (nonzero is positive).
       predictions: scores, probabilities or booleans; positive where `> threshold`.
       weights: optional scalar or array broadcastable to `labels` (per-row `[N]` weights are
         expanded over trailing dimensions); 0 excludes an entry.
-      thresholds: keyword; `None` (0.5) or a float gives a scalar result, a list of floats
+      thresholds: keyword; `None` (0.5) or a float gives a float result, a list of floats
         gives an array with one value per threshold.
       mask: optional keyword; entries where it is 0/False are excluded.
 
     Returns:
-      A `{cls.__name__}` metric.
+      A `TruePositives` metric.
 
     Raises:
       ValueError: if the shapes of `labels`, `predictions` or `weights` do not match.
@@ -211,50 +200,187 @@ def _make_factory(cls: type[_Thresholded], what: str, example: str) -> Any:
     Example:
 
     >>> import metrics
-    >>> {example}
+    >>> metrics.true_positives([1, 1, 0], [0.9, 0.2, 0.7]).compute()
+    1.0
     """
-    return factory
+    return TruePositives.from_model_output(
+        labels, predictions, weights, thresholds=thresholds, mask=mask
+    )
 
 
-true_positives = _make_factory(
-    TruePositives,
-    "The weighted number of positive labels predicted positive.",
-    "metrics.true_positives([1, 1, 0], [0.9, 0.2, 0.7]).compute()\n    1.0",
-)
-false_positives = _make_factory(
-    FalsePositives,
-    "The weighted number of negative labels predicted positive.",
-    "metrics.false_positives([1, 1, 0], [0.9, 0.2, 0.7]).compute()\n    1.0",
-)
-true_negatives = _make_factory(
-    TrueNegatives,
-    "The weighted number of negative labels predicted negative.",
-    "metrics.true_negatives([1, 0, 0], [0.9, 0.2, 0.7], thresholds=[0.1, 0.5]).compute()\n"
-    "    array([0., 1.])",
-)
-false_negatives = _make_factory(
-    FalseNegatives,
-    "The weighted number of positive labels predicted negative.",
-    "metrics.false_negatives([True, True], [True, False]).compute()\n    1.0",
-)
-precision = _make_factory(
-    Precision,
-    "Precision, `tp / (tp + fp)` (0.0 when nothing is predicted positive).",
-    "metrics.precision([1, 1, 0, 0], [0.9, 0.8, 0.7, 0.1]).compute()\n    0.6666666666666666",
-)
-recall = _make_factory(
-    Recall,
-    "Recall, `tp / (tp + fn)` (0.0 when there are no positive labels).",
-    "metrics.recall([1, 1, 0, 0], [0.9, 0.2, 0.7, 0.1], weights=[1, 3, 1, 1]).compute()\n"
-    "    0.25",
-)
-for _factory, _name in (
-    (true_positives, "true_positives"),
-    (false_positives, "false_positives"),
-    (true_negatives, "true_negatives"),
-    (false_negatives, "false_negatives"),
-    (precision, "precision"),
-    (recall, "recall"),
-):
-    _factory.__name__ = _factory.__qualname__ = _name
-    _factory.__module__ = "metrics"
+def false_positives(
+    labels: ArrayLike,
+    predictions: ArrayLike,
+    weights: ArrayLike | None = None,
+    *,
+    thresholds: Thresholds = None,
+    mask: ArrayLike | None = None,
+) -> FalsePositives:
+    """The weighted number of negative labels predicted positive.
+
+    Args:
+      labels: array of the same shape as `predictions`, cast to bool (nonzero is positive).
+      predictions: scores, probabilities or booleans; positive where `> threshold`.
+      weights: optional scalar or array broadcastable to `labels` (per-row `[N]` weights are
+        expanded over trailing dimensions); 0 excludes an entry.
+      thresholds: keyword; `None` (0.5) or a float gives a float result, a list of floats
+        gives an array with one value per threshold.
+      mask: optional keyword; entries where it is 0/False are excluded.
+
+    Returns:
+      A `FalsePositives` metric.
+
+    Raises:
+      ValueError: if the shapes of `labels`, `predictions` or `weights` do not match.
+
+    Example:
+
+    >>> import metrics
+    >>> metrics.false_positives([1, 1, 0], [0.9, 0.2, 0.7]).compute()
+    1.0
+    """
+    return FalsePositives.from_model_output(
+        labels, predictions, weights, thresholds=thresholds, mask=mask
+    )
+
+
+def true_negatives(
+    labels: ArrayLike,
+    predictions: ArrayLike,
+    weights: ArrayLike | None = None,
+    *,
+    thresholds: Thresholds = None,
+    mask: ArrayLike | None = None,
+) -> TrueNegatives:
+    """The weighted number of negative labels predicted negative.
+
+    Args:
+      labels: array of the same shape as `predictions`, cast to bool (nonzero is positive).
+      predictions: scores, probabilities or booleans; positive where `> threshold`.
+      weights: optional scalar or array broadcastable to `labels` (per-row `[N]` weights are
+        expanded over trailing dimensions); 0 excludes an entry.
+      thresholds: keyword; `None` (0.5) or a float gives a float result, a list of floats
+        gives an array with one value per threshold.
+      mask: optional keyword; entries where it is 0/False are excluded.
+
+    Returns:
+      A `TrueNegatives` metric.
+
+    Raises:
+      ValueError: if the shapes of `labels`, `predictions` or `weights` do not match.
+
+    Example:
+
+    >>> import metrics
+    >>> metrics.true_negatives([1, 0, 0], [0.9, 0.2, 0.7], thresholds=[0.1, 0.5]).compute()
+    array([0., 1.])
+    """
+    return TrueNegatives.from_model_output(
+        labels, predictions, weights, thresholds=thresholds, mask=mask
+    )
+
+
+def false_negatives(
+    labels: ArrayLike,
+    predictions: ArrayLike,
+    weights: ArrayLike | None = None,
+    *,
+    thresholds: Thresholds = None,
+    mask: ArrayLike | None = None,
+) -> FalseNegatives:
+    """The weighted number of positive labels predicted negative.
+
+    Args:
+      labels: array of the same shape as `predictions`, cast to bool (nonzero is positive).
+      predictions: scores, probabilities or booleans; positive where `> threshold`.
+      weights: optional scalar or array broadcastable to `labels` (per-row `[N]` weights are
+        expanded over trailing dimensions); 0 excludes an entry.
+      thresholds: keyword; `None` (0.5) or a float gives a float result, a list of floats
+        gives an array with one value per threshold.
+      mask: optional keyword; entries where it is 0/False are excluded.
+
+    Returns:
+      A `FalseNegatives` metric.
+
+    Raises:
+      ValueError: if the shapes of `labels`, `predictions` or `weights` do not match.
+
+    Example:
+
+    >>> import metrics
+    >>> metrics.false_negatives([True, True], [True, False]).compute()
+    1.0
+    """
+    return FalseNegatives.from_model_output(
+        labels, predictions, weights, thresholds=thresholds, mask=mask
+    )
+
+
+def precision(
+    labels: ArrayLike,
+    predictions: ArrayLike,
+    weights: ArrayLike | None = None,
+    *,
+    thresholds: Thresholds = None,
+    mask: ArrayLike | None = None,
+) -> Precision:
+    """Precision, `tp / (tp + fp)` (0.0 when nothing is predicted positive).
+
+    Args:
+      labels: array of the same shape as `predictions`, cast to bool (nonzero is positive).
+      predictions: scores, probabilities or booleans; positive where `> threshold`.
+      weights: optional scalar or array broadcastable to `labels` (per-row `[N]` weights are
+        expanded over trailing dimensions); 0 excludes an entry.
+      thresholds: keyword; `None` (0.5) or a float gives a float result, a list of floats
+        gives an array with one value per threshold.
+      mask: optional keyword; entries where it is 0/False are excluded.
+
+    Returns:
+      A `Precision` metric.
+
+    Raises:
+      ValueError: if the shapes of `labels`, `predictions` or `weights` do not match.
+
+    Example:
+
+    >>> import metrics
+    >>> metrics.precision([1, 1, 0, 0], [0.9, 0.8, 0.7, 0.1]).compute()
+    0.6666666666666666
+    """
+    return Precision.from_model_output(
+        labels, predictions, weights, thresholds=thresholds, mask=mask
+    )
+
+
+def recall(
+    labels: ArrayLike,
+    predictions: ArrayLike,
+    weights: ArrayLike | None = None,
+    *,
+    thresholds: Thresholds = None,
+    mask: ArrayLike | None = None,
+) -> Recall:
+    """Recall, `tp / (tp + fn)` (0.0 when there are no positive labels).
+
+    Args:
+      labels: array of the same shape as `predictions`, cast to bool (nonzero is positive).
+      predictions: scores, probabilities or booleans; positive where `> threshold`.
+      weights: optional scalar or array broadcastable to `labels` (per-row `[N]` weights are
+        expanded over trailing dimensions); 0 excludes an entry.
+      thresholds: keyword; `None` (0.5) or a float gives a float result, a list of floats
+        gives an array with one value per threshold.
+      mask: optional keyword; entries where it is 0/False are excluded.
+
+    Returns:
+      A `Recall` metric.
+
+    Raises:
+      ValueError: if the shapes of `labels`, `predictions` or `weights` do not match.
+
+    Example:
+
+    >>> import metrics
+    >>> metrics.recall([1, 1, 0, 0], [0.9, 0.2, 0.7, 0.1], weights=[1, 3, 1, 1]).compute()
+    0.25
+    """
+    return Recall.from_model_output(labels, predictions, weights, thresholds=thresholds, mask=mask)

@@ -59,7 +59,9 @@ def _broadcast(array: np.ndarray, shape: tuple[int, ...], name: str, target: str
         array = array[..., 0]
     if array.ndim < len(shape):
         array = array.reshape(array.shape + (1,) * (len(shape) - array.ndim))
-    if array.ndim != len(shape) or any(a not in (1, s) for a, s in zip(array.shape, shape)):
+    if array.ndim != len(shape) or any(
+        a not in (1, s) for a, s in zip(array.shape, shape, strict=True)
+    ):
         raise ValueError(
             f"`{name}` shape {original} cannot be broadcast to `{target}` shape {shape}: "
             "pass a scalar, one value per row, or a shape whose every dimension is 1 or "
@@ -89,7 +91,9 @@ def broadcast_weights(
     if weights is None:
         result = np.ones(shape, np.float64)
     else:
-        result = _broadcast(to_array(weights, "weights").astype(np.float64), shape, "weights", target)
+        result = _broadcast(
+            to_array(weights, "weights").astype(np.float64), shape, "weights", target
+        )
     if mask is not None:
         keep = _broadcast(to_array(mask, "mask") != 0, shape, "mask", target)
         result = np.where(keep, result, 0.0)
@@ -131,9 +135,7 @@ def class_ids(
     if np.issubdtype(values.dtype, np.floating):
         bad = live & ~(np.isfinite(values) & (values == np.round(values)))
         if np.any(bad):
-            raise ValueError(
-                f"`{name}` must hold integer class ids, got {values[bad].flat[0]!r}."
-            )
+            raise ValueError(f"`{name}` must hold integer class ids, got {values[bad].flat[0]!r}.")
     ids = np.where(live, values, 0).astype(np.int64)
     if num_classes is not None:
         bad = live & ((ids < 0) | (ids >= num_classes))

@@ -60,7 +60,8 @@ Example:
 ...
 ...     def compute(self):
 ...         return self.value
->>> MaxAbsError.from_model_output([1.0], [3.0]).merge(MaxAbsError.from_model_output([0], [1])).compute()
+>>> m = MaxAbsError.from_model_output([1.0], [3.0])
+>>> m.merge(MaxAbsError.from_model_output([0], [1])).compute()
 2.0
 
 For a statistic that cannot be computed from per-batch sums (an exact ROC AUC, a median),
