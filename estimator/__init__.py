@@ -6,6 +6,7 @@ Example:
   >>> est.train(input_fn, max_steps=1000)
 """
 
+from . import runtime as _runtime
 from . import summary
 from .config import InputPipelineConfig, RunConfig, TPUConfig
 from .context import get_global_step, padding_mask
@@ -13,9 +14,15 @@ from .input_context import InputContext
 from .scaffold import Scaffold, WarmStartSettings, init_from_checkpoint
 from .spec import EstimatorSpec, ModeKeys, TPUEstimatorSpec
 from .tpu_estimator import TPUEstimator
+from .train_and_evaluate import EvalSpec, TrainSpec, train_and_evaluate
+
+_runtime.setup_logging()
 
 __all__ = [
     "EstimatorSpec",
+    "EvalSpec",
+    "TrainSpec",
+    "train_and_evaluate",
     "InputContext",
     "InputPipelineConfig",
     "ModeKeys",

@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -74,7 +75,11 @@ class StepCounterHook(SessionRunHook):
         if self._summary_writer is None and self._output_dir:
             from tensorboardX import SummaryWriter
 
-            self._summary_writer = SummaryWriter(self._output_dir)
+            # tensorboardX names files by the second and host only: a distinct suffix
+            # keeps a writer opened in the same second (e.g. the estimator's) from
+            # overwriting this one's file.
+            suffix = f".{os.getpid()}.step_counter"
+            self._summary_writer = SummaryWriter(self._output_dir, filename_suffix=suffix)
             self._owns_writer = True
 
     def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
