@@ -25,8 +25,8 @@ class SecondOrStepTimer:
       clock: the time source (``time.monotonic``); tests inject a fake one.
 
     Raises:
-      ValueError: unless exactly one of ``every_secs``/``every_steps`` is given, or if it is
-        not positive.
+      ValueError: unless exactly one of ``every_secs``/``every_steps`` is given, or if
+        ``every_secs < 0`` or ``every_steps < 1`` (``every_secs=0`` triggers every time).
     """
 
     def __init__(
@@ -41,12 +41,12 @@ class SecondOrStepTimer:
                 "Exactly one of every_secs and every_steps should be provided, got "
                 f"every_secs={every_secs!r}, every_steps={every_steps!r}."
             )
-        if (every_secs is not None and every_secs <= 0) or (
-            every_steps is not None and every_steps <= 0
+        if (every_secs is not None and every_secs < 0) or (
+            every_steps is not None and every_steps < 1
         ):
             raise ValueError(
-                f"Timer interval must be positive: every_secs={every_secs!r}, "
-                f"every_steps={every_steps!r}."
+                f"Timer interval must be every_secs >= 0 or every_steps >= 1, got "
+                f"every_secs={every_secs!r}, every_steps={every_steps!r}."
             )
         self._every_secs = every_secs
         self._every_steps = every_steps

@@ -50,7 +50,9 @@ def test_base_hook_methods_are_noops():
 
 
 def test_nan_loss_error():
-    err = hooks.NanLossDuringTrainingError("NaN loss during training at global step 3.", global_step=3)
+    err = hooks.NanLossDuringTrainingError(
+        "NaN loss during training at global step 3.", global_step=3
+    )
     assert isinstance(err, RuntimeError)
     assert err.global_step == 3 and "global step 3" in str(err)
     assert hooks.NanLossDuringTrainingError().global_step is None

@@ -25,23 +25,24 @@ def _train_and_evaluate(hook, estimator, metric_sequence, metric="accuracy", ste
     session = FakeSession(model_dir=estimator.model_dir)
     hook.begin()
     hook.after_create_session(session, None)
-    writer = SummaryWriter(estimator.eval_dir())
-    try:
-        for round_index, value in enumerate(metric_sequence, start=1):
-            steps = range(session.global_step + 1, session.global_step + steps_per_round + 1)
-            ctx = hooks.SessionRunContext(None, session, steps=steps)
-            hook.before_run(ctx)
-            session.global_step += steps_per_round
-            hook.after_run(ctx, hooks.SessionRunValues(None))
-            if ctx.stop_requested:
-                return round_index
+    for round_index, value in enumerate(metric_sequence, start=1):
+        steps = range(session.global_step + 1, session.global_step + steps_per_round + 1)
+        ctx = hooks.SessionRunContext(None, session, steps=steps)
+        hook.before_run(ctx)
+        session.global_step += steps_per_round
+        hook.after_run(ctx, hooks.SessionRunValues(None))
+        if ctx.stop_requested:
+            hook.end(session)
+            return round_index
+        # One writer per evaluation, closed so its queue is on disk (flush() does not
+        # drain tensorboardX's queue), with a distinct suffix so files of the same second
+        # do not overwrite each other.
+        suffix = f".{round_index:04d}"
+        with SummaryWriter(estimator.eval_dir(), filename_suffix=suffix) as writer:
             writer.add_scalar(metric, value, session.global_step)
             writer.add_scalar("loss", 1.0 - value, session.global_step)
-            writer.flush()
-        return None
-    finally:
-        writer.close()
-        hook.end(session)
+    hook.end(session)
+    return None
 
 
 ACCURACY = [0.5, 0.6, 0.7, 0.65, 0.68, 0.69, 0.72, 0.7, 0.7, 0.7, 0.7]
@@ -51,13 +52,19 @@ ACCURACY = [0.5, 0.6, 0.7, 0.65, 0.68, 0.69, 0.72, 0.7, 0.7, 0.7, 0.7]
     "make_hook, expected_round",
     [
         # Round k's check sees the evals of rounds 1..k-1 (at steps 100..100(k-1)).
-        (lambda est: hooks.stop_if_higher_hook(est, "accuracy", 0.69, run_every_secs=0.0), 5),
-        (lambda est: hooks.stop_if_lower_hook(est, "loss", 0.31, run_every_secs=0.0), 5),
+        # 0.72 is written after round 7.
+        (lambda est: hooks.stop_if_higher_hook(est, "accuracy", 0.71, run_every_secs=0.0), 8),
+        (lambda est: hooks.stop_if_lower_hook(est, "loss", 0.285, run_every_secs=0.0), 8),
         (lambda est: hooks.stop_if_higher_hook(est, "accuracy", 0.99, run_every_secs=0.0), None),
         # Best 0.7 at step 300; step 600 is 300 steps later -> stops at round 7.
         (lambda est: hooks.stop_if_no_increase_hook(est, "accuracy", 300, run_every_secs=0.0), 7),
         # Best 0.72 at step 700; 300 steps later is step 1000 -> round 11.
-        (lambda est: hooks.stop_if_no_increase_hook(est, "accuracy", 300, min_steps=600, run_every_secs=0.0), 11),
+        (
+            lambda est: hooks.stop_if_no_increase_hook(
+                est, "accuracy", 300, min_steps=600, run_every_secs=0.0
+            ),
+            11,
+        ),
         (lambda est: hooks.stop_if_no_decrease_hook(est, "loss", 300, run_every_secs=0.0), 7),
         # Checking only every 300 steps: checks at steps 100, 400, 700 (sees step 600), ...
         (
@@ -67,7 +74,8 @@ ACCURACY = [0.5, 0.6, 0.7, 0.65, 0.68, 0.69, 0.72, 0.7, 0.7, 0.7, 0.7]
             7,
         ),
         # run_every_steps takes precedence over the default run_every_secs=60.
-        (lambda est: hooks.stop_if_higher_hook(est, "accuracy", 0.69, run_every_steps=200), 5),
+        # Checks at steps 100, 300, 500, 700, 900 (sees step 700's 0.72).
+        (lambda est: hooks.stop_if_higher_hook(est, "accuracy", 0.71, run_every_steps=200), 9),
     ],
 )
 def test_stops_at_expected_round(tmp_path, make_hook, expected_round):

@@ -2,7 +2,7 @@
 
 import logging
 import os
-import shutil
+import struct
 
 import numpy as np
 import pytest
@@ -24,9 +24,7 @@ def _write_evals(eval_dir, evals, suffix=""):
 
 
 def _tensorboard_scalars(eval_dir):
-    acc = event_accumulator.EventAccumulator(
-        eval_dir, size_guidance={event_accumulator.SCALARS: 0}
-    )
+    acc = event_accumulator.EventAccumulator(eval_dir, size_guidance={event_accumulator.SCALARS: 0})
     acc.Reload()
     results = {}
     for tag in acc.Tags()["scalars"]:
@@ -70,25 +68,40 @@ def test_missing_or_empty_dir(tmp_path):
     assert read_eval_metrics(str(tmp_path)) == {}
 
 
-def test_truncated_last_record_at_every_cut(tmp_path):
+def _record_ends(data):
+    """Byte offsets where each TFRecord of ``data`` ends (12-byte header, 4-byte footer)."""
+    ends, pos = [], 0
+    while pos < len(data):
+        (length,) = struct.unpack("<Q", data[pos : pos + 8])
+        pos += 12 + length + 4
+        ends.append(pos)
+    return ends
+
+
+def test_truncated_last_record(tmp_path):
     full = tmp_path / "full"
-    _write_evals(str(full), {step: {"loss": step / 10} for step in range(1, 6)})
+    evals = {step: {"loss": step / 8} for step in range(1, 6)}
+    with SummaryWriter(str(full)) as writer:
+        for step, metrics in evals.items():
+            writer.add_scalar("loss", metrics["loss"], step)
     data = open(_event_file(str(full)), "rb").read()
-    expected_prefixes = []
+    ends = _record_ends(data)
+    assert ends[-1] == len(data) and len(ends) == 6  # file_version + 5 scalars
     cut_dir = tmp_path / "cut"
     os.makedirs(cut_dir)
     cut_path = os.path.join(cut_dir, "events.out.tfevents.1.host")
-    for cut in range(0, len(data) + 1, 7):
+    # Every cut, byte by byte: exactly the complete records are read.
+    for cut in range(len(data) + 1):
         with open(cut_path, "wb") as f:
             f.write(data[:cut])
-        got = read_eval_metrics(str(cut_dir))
-        reference = _tensorboard_scalars(str(cut_dir))
-        assert got == reference, cut
-        expected_prefixes.append(len(got))
-    assert expected_prefixes == sorted(expected_prefixes)  # grows as more is written
-    assert expected_prefixes[-1] == 5
-    shutil.copy(_event_file(str(full)), cut_path)
-    assert read_eval_metrics(str(cut_dir)) == {s: {"loss": pytest.approx(s / 10)} for s in range(1, 6)}
+        complete = sum(end <= cut for end in ends) - 1  # minus the file_version event
+        assert read_eval_metrics(str(cut_dir)) == dict(list(evals.items())[: max(complete, 0)])
+    # TensorBoard's reader agrees at cuts in the header, the data and the footer.
+    for end in ends[1:4]:
+        for cut in (end - 1, end - 4, end - 10, end + 5, end + 13):
+            with open(cut_path, "wb") as f:
+                f.write(data[:cut])
+            assert read_eval_metrics(str(cut_dir)) == _tensorboard_scalars(str(cut_dir)), cut
 
 
 def test_corrupt_record_stops_with_warning(tmp_path, caplog):
@@ -113,9 +126,13 @@ def test_tensor_encoded_scalars(tmp_path):
     bf16_bits = int(np.array(2.5, np.float32).view(np.uint32)) >> 16
     values = [
         _tensor_value("f32", types_pb2.DT_FLOAT, float_val=[1.5]),
-        _tensor_value("f64_content", types_pb2.DT_DOUBLE, tensor_content=np.float64(0.125).tobytes()),
+        _tensor_value(
+            "f64_content", types_pb2.DT_DOUBLE, tensor_content=np.float64(0.125).tobytes()
+        ),
         _tensor_value("f32_content", types_pb2.DT_FLOAT, tensor_content=np.float32(-3).tobytes()),
-        _tensor_value("f16", types_pb2.DT_HALF, half_val=[int(np.array(0.5, np.float16).view(np.uint16))]),
+        _tensor_value(
+            "f16", types_pb2.DT_HALF, half_val=[int(np.array(0.5, np.float16).view(np.uint16))]
+        ),
         _tensor_value("bf16", types_pb2.DT_BFLOAT16, half_val=[bf16_bits]),
         _tensor_value("i64", types_pb2.DT_INT64, int64_val=[7]),
         _tensor_value("string", types_pb2.DT_STRING, string_val=[b"x"]),
@@ -123,7 +140,14 @@ def test_tensor_encoded_scalars(tmp_path):
     with SummaryWriter(str(tmp_path)) as writer:
         writer._get_file_writer().add_summary(summary_pb2.Summary(value=values), 5)
     assert read_eval_metrics(str(tmp_path)) == {
-        5: {"f32": 1.5, "f64_content": 0.125, "f32_content": -3.0, "f16": 0.5, "bf16": 2.5, "i64": 7.0}
+        5: {
+            "f32": 1.5,
+            "f64_content": 0.125,
+            "f32_content": -3.0,
+            "f16": 0.5,
+            "bf16": 2.5,
+            "i64": 7.0,
+        }
     }
     # TensorBoard agrees on the float ones.
     acc = event_accumulator.EventAccumulator(str(tmp_path), size_guidance={"tensors": 0})
