@@ -133,6 +133,8 @@ def split_to_logical_devices(
             raise ValueError(
                 f"tensor shape {tuple(x.shape)} is not divisible by partition dimensions {dims}"
             )
+    if num_cores_per_replica == 1:
+        return x  # nothing to partition; also needs no mesh (e.g. un-replicated model_fn)
     return _constrain(x, spec, mesh)
 
 
@@ -158,6 +160,8 @@ def assign_to_logical_device(
             f"logical_device_id {logical_device_id} out of range: each replica has "
             f"{num_cores_per_replica} logical devices"
         )
+    if num_cores_per_replica == 1:
+        return x
     return replicate_to_logical_devices(x, mesh=mesh)
 
 

@@ -62,7 +62,7 @@ from estimator import partitioning
 from estimator.device_assignment import DeviceAssignment
 from estimator.input_context import InputContext
 from estimator.mesh import DATA
-from estimator.replica_context import ReduceOp, in_replicated_computation, replica_scope
+from estimator.replica_context import ReduceOp, get_replica_context, replica_scope
 
 PyTree = Any
 _log = logging.getLogger(__name__)
@@ -588,7 +588,8 @@ class TPUStrategy:
         )
 
     def _outside_mesh(self) -> Mesh | None:
-        return None if in_replicated_computation() else self._mesh
+        # A bare PartitionSpec inside shard_map; this strategy's mesh everywhere else.
+        return None if get_replica_context().axis_name is not None else self._mesh
 
 
 def _hashable(x: Any) -> bool:

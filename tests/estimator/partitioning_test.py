@@ -82,7 +82,9 @@ def test_shard_variables_halves_the_per_device_shard():
     assert {s.data.shape for s in kernel.addressable_shards} == {(4, 4)}
     bias = placed["params"]["Dense_0"]["bias"]
     assert {s.data.shape for s in bias.addressable_shards} == {(8,)}
-    np.testing.assert_array_equal(kernel, partitioning.unbox(_variables())["params"]["Dense_0"]["kernel"])
+    np.testing.assert_array_equal(
+        kernel, partitioning.unbox(_variables())["params"]["Dense_0"]["kernel"]
+    )
 
 
 def test_unbox_strips_boxes():
