@@ -92,20 +92,27 @@ def div_no_nan(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Thresholded(Metric):
-    """Confusion counts at each threshold; subclasses differ only in `compute`."""
+    """Confusion counts at each threshold; subclasses differ only in `compute`.
+
+    Attributes:
+      tp, fp, tn, fn: weighted counts, one per threshold.
+      thresholds: the thresholds, in the order given.
+      single_threshold: whether `thresholds` was `None` or a float (a float result) rather
+        than a list (an array result).
+    """
 
     tp: np.ndarray
     fp: np.ndarray
     tn: np.ndarray
     fn: np.ndarray
     thresholds: np.ndarray = static_field()
-    scalar: bool = static_field(default=True)
+    single_threshold: bool = static_field(default=True)
 
     @classmethod
     def empty(cls, *, thresholds: Thresholds = None) -> Any:
-        array, scalar = _threshold_array(thresholds)
+        array, single = _threshold_array(thresholds)
         zeros = np.zeros(array.size)
-        return cls(zeros, zeros, zeros, zeros, array, scalar)
+        return cls(zeros, zeros, zeros, zeros, array, single)
 
     @classmethod
     def from_model_output(
@@ -118,16 +125,16 @@ class _Thresholded(Metric):
         mask: ArrayLike | None = None,
     ) -> Any:
         """Same as the factory of the same name (e.g. `metrics.precision`)."""
-        array, scalar = _threshold_array(thresholds)
+        array, single = _threshold_array(thresholds)
         counts = counts_at_thresholds(labels, predictions, weights, mask, array)
-        return cls(thresholds=array, scalar=scalar, **counts)
+        return cls(thresholds=array, single_threshold=single, **counts)
 
     def _value(self) -> np.ndarray:
         raise NotImplementedError
 
     def compute(self) -> float | np.ndarray:
         value = self._value()
-        return float(value[0]) if self.scalar else value
+        return float(value[0]) if self.single_threshold else value
 
 
 class TruePositives(_Thresholded):

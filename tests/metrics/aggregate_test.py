@@ -121,7 +121,11 @@ def test_collecting_matches_exact_sklearn_auc():
 @pytest.mark.parametrize(
     "make, error, match",
     [
-        (lambda: metrics.collecting(np.mean, np.ones(3), np.ones(2)), ValueError, "`arrays\\[1\\]`"),
+        (
+            lambda: metrics.collecting(np.mean, np.ones(3), np.ones(2)),
+            ValueError,
+            "`arrays\\[1\\]`",
+        ),
         (lambda: metrics.collecting(np.mean), ValueError, "`arrays`"),
         (lambda: metrics.collecting("f", np.ones(3)), TypeError, "`fn`"),
         (lambda: metrics.collecting(np.mean, np.ones(3), mask=[1, 0]), ValueError, "`mask`"),

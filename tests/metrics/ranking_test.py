@@ -18,13 +18,12 @@ def _data(weighted):
     return labels, scores, weights
 
 
+@pytest.mark.filterwarnings("ignore:'k' .* greater than or equal to 'n_classes'")
 @pytest.mark.parametrize("k", [1, 2, 5, C])
 @pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
 def test_matches_top_k_accuracy(k, weighted):
     labels, scores, weights = _data(weighted)
-    expected = skm.top_k_accuracy_score(
-        labels, scores, k=k, labels=range(C), sample_weight=weights
-    )
+    expected = skm.top_k_accuracy_score(labels, scores, k=k, labels=range(C), sample_weight=weights)
     value = metrics.recall_at_k(labels, scores, k, weights=weights).compute()
     assert type(value) is float
     assert value == pytest.approx(expected, rel=1e-12)
