@@ -115,4 +115,6 @@ def _write_results(est, results: dict, name: str | None) -> None:
     for key, value in results.items():
         if key != "global_step" and np.ndim(value) == 0:
             writer.add_scalar(key, float(value), global_step=results["global_step"])
-    writer.flush()
+    # tensorboardX's flush() does not wait for its queue; closing does, so early-stopping
+    # hooks and other readers see these results as soon as evaluate returns.
+    summary.close(est.eval_dir(name))

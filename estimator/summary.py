@@ -16,6 +16,7 @@ Only process 0 writes; on other processes these calls do nothing.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import threading
 from typing import Any
@@ -25,6 +26,7 @@ import numpy as np
 _LOCAL = threading.local()
 _WRITERS: dict[str, Any] = {}
 _LOCK = threading.Lock()
+_COUNTER = itertools.count()
 
 
 def writer_for(logdir: str):
@@ -38,7 +40,11 @@ def writer_for(logdir: str):
     with _LOCK:
         w = _WRITERS.get(logdir)
         if w is None:
-            w = _WRITERS[logdir] = SummaryWriter(logdir=logdir, flush_secs=10)
+            # A unique suffix: tensorboardX names files by the second, and two writers opened
+            # in the same second in one directory would overwrite each other's file.
+            suffix = f".{os.getpid()}.{next(_COUNTER)}"
+            w = _WRITERS[logdir] = SummaryWriter(logdir=logdir, flush_secs=10,
+                                                 filename_suffix=suffix)
         return w
 
 
