@@ -201,5 +201,5 @@ def _train(est, ckpts, state, pulls, first, prefetch: Prefetcher, model_batch, u
         prefetch.close()
         worker.close()
         ckpts.wait()
-        if writer is not None:
-            writer.flush()
+        # Closing (not flush) waits for tensorboardX's queue: summaries are on disk on return.
+        summary.close(est.model_dir)
