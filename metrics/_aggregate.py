@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from metrics import _inputs
 from metrics._inputs import ArrayLike
 from metrics.base import Metric, static_field
+
+_A = TypeVar("_A", bound="_Average")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -27,17 +29,17 @@ class _Average(Metric):
     count: float = 0.0
 
     @classmethod
-    def empty(cls) -> _Average:
+    def empty(cls: type[_A]) -> _A:
         return cls(0.0, 0.0)
 
     @classmethod
     def _of(
-        cls,
+        cls: type[_A],
         values: np.ndarray,
         weights: ArrayLike | None,
         mask: ArrayLike | None,
         target: str,
-    ) -> Any:
+    ) -> _A:
         w = _inputs.broadcast_weights(weights, values.shape, mask=mask, target=target)
         return cls(_inputs.weighted_sum(values.astype(np.float64), w), float(np.sum(w)))
 

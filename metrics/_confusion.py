@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import TypeVar
 
 import numpy as np
 
@@ -26,6 +26,7 @@ from metrics._inputs import ArrayLike
 from metrics.base import Metric, static_field
 
 Thresholds = float | Sequence[float] | None
+_T = TypeVar("_T", bound="_Thresholded")
 
 
 def _threshold_array(thresholds: Thresholds) -> tuple[np.ndarray, bool]:
@@ -109,21 +110,21 @@ class _Thresholded(Metric):
     single_threshold: bool = static_field(default=True)
 
     @classmethod
-    def empty(cls, *, thresholds: Thresholds = None) -> Any:
+    def empty(cls: type[_T], *, thresholds: Thresholds = None) -> _T:
         array, single = _threshold_array(thresholds)
         zeros = np.zeros(array.size)
         return cls(zeros, zeros, zeros, zeros, array, single)
 
     @classmethod
     def from_model_output(
-        cls,
+        cls: type[_T],
         labels: ArrayLike,
         predictions: ArrayLike,
         weights: ArrayLike | None = None,
         *,
         thresholds: Thresholds = None,
         mask: ArrayLike | None = None,
-    ) -> Any:
+    ) -> _T:
         """Same as the factory of the same name (e.g. `metrics.precision`)."""
         array, single = _threshold_array(thresholds)
         counts = counts_at_thresholds(labels, predictions, weights, mask, array)

@@ -35,7 +35,8 @@ def _in_top_k(scores: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
     label_scores = np.take_along_axis(scores, safe[:, None], axis=1)
     lower_index = np.arange(num_classes)[None, :] < safe[:, None]
     ahead = (scores > label_scores) | ((scores == label_scores) & lower_index)
-    return valid & (np.count_nonzero(ahead, axis=1) < k)
+    hit: np.ndarray = valid & (np.count_nonzero(ahead, axis=1) < k)
+    return hit
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
