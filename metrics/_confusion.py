@@ -1,4 +1,4 @@
-"""Binary metrics from thresholded confusion counts: TP/FP/TN/FN, precision, recall, AUC.
+"""Binary metrics from thresholded confusion counts: TP/FP/TN/FN, precision, recall.
 
 Labels are cast to bool (nonzero is positive) as in TF. A prediction is positive at a
 threshold `t` when `prediction > t`; boolean predictions count as 0.0/1.0. With the default
@@ -9,8 +9,7 @@ not, so probabilities work as expected.) A list of thresholds gives one value pe
 like TF's `*_at_thresholds`.
 
 The state is the weighted count of each confusion cell at every threshold, so merging batches
-is exact (for integer weights) and the AUC of merged batches equals the AUC of their
-concatenation, exactly as TF's streaming `auc`.
+is exact (for integer weights). `metrics.auc` builds on the same counting.
 """
 
 from __future__ import annotations
