@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import jax
@@ -97,8 +98,12 @@ def fresh_train_state(est, chunk: Chunk, batch_size: int, make_init_fn=None) -> 
 def restore_train_state(est, ckpts: ckpt_lib.Checkpoints, chunk: Chunk,
                         batch_size: int) -> tuple[TrainState, dict] | None:
     """The newest readable checkpoint as a TrainState, with its meta; None if there is none."""
-    if not ckpts.steps():
+    steps = ckpts.steps()
+    if not steps:
         return None
+    live = est._live
+    if live is not None and live[0] == steps[-1]:  # what the last train() left: no reload
+        return live[1], live[2]
     variables = abstract_variables(est, ModeKeys.TRAIN, chunk, batch_size)
     params, _ = _split(variables)
     train = _replicated(est, _train_extras(est, params))
@@ -119,6 +124,14 @@ def restore_variables(est, mode: str, chunk: Chunk, batch_size: int,
     """
     model_dir, step = ckpt_lib.resolve_path(checkpoint_path, est.model_dir)
     ckpts = est._reader_checkpoints(model_dir)
+    live = est._live
+    same_dir = os.path.abspath(model_dir) == os.path.abspath(est.model_dir)
+    if live is not None and same_dir and step in (None, live[0]):
+        if ckpts.steps()[-1:] == [live[0]]:  # the latest checkpoint is what we hold
+            if mode not in est._holder:  # trace model_fn once so its spec is known
+                abstract_variables(est, mode, chunk, batch_size)
+            variables, _ = train_state_parts(live[1])
+            return variables, live[0]
     template = abstract_variables(est, mode, chunk, batch_size)
     got = ckpts.restore_latest(variables=template, step=step)
     if got is None:

@@ -92,6 +92,8 @@ class TPUEstimator:
         self._holder = SpecHolder()
         self._compiled: dict = {}
         self._checkpoints: ckpt_lib.Checkpoints | None = None
+        # (step, TrainState, meta) left by the last train(), equal to its final checkpoint.
+        self._live: tuple | None = None
 
     # ----------------------------------------------------------------- properties
     @property

@@ -16,7 +16,7 @@ import numpy as np
 
 import hooks as hooks_lib
 
-from . import summary
+from . import progress, summary
 from .hook_runner import HookRunner, Session
 from .host import HostWorker, run_host_calls
 from .inputs import Prefetcher
@@ -123,6 +123,16 @@ def _start(est, input_fn, batch_size, ckpts, target_fn):
     return state, pulls, first, prefetch, model_batch
 
 
+def _stop_hook_targets(user_hooks, start_step: int) -> list[int]:
+    """Last steps of the user's StopAtStepHooks, so the final loop lands on them exactly."""
+    out = []
+    for hook in user_hooks or ():
+        if isinstance(hook, hooks_lib.StopAtStepHook):
+            num = getattr(hook, "_num_steps", None)
+            out.append(hook.last_step if hook.last_step is not None else start_step + num)
+    return out
+
+
 def run_train_loops(est, input_fn, *, hooks, steps, max_steps) -> None:
     ckpts = est._writer_checkpoints()
     latest = ckpts.steps()
@@ -131,18 +141,25 @@ def run_train_loops(est, input_fn, *, hooks, steps, max_steps) -> None:
         log.info("Skipping training since max_steps has already saved (step %d).", start_step)
         return
     batch_size = est._global_batch(ModeKeys.TRAIN)
-    begin_step = start_step
+    targets = [t for t in (max_steps, None if steps is None else start_step + steps)
+               if t is not None] + _stop_hook_targets(hooks, start_step)
 
     def target_fn(_planned):
-        if max_steps is not None:
-            return max_steps
-        return None if steps is None else begin_step + steps
+        return min(targets) if targets else None
 
     started = _start(est, input_fn, batch_size, ckpts, target_fn)
     if started is None:
         return
     state, pulls, first, prefetch, model_batch = started
-    _train(est, ckpts, state, pulls, first, prefetch, model_batch, hooks)
+    step = int(jax.device_get(state.step))
+    global_batch = est._batch[ModeKeys.TRAIN] or model_batch
+    progress.log_startup_summary(est, global_batch=global_batch, replica_batch=model_batch,
+                                 params=state.params, start_step=step,
+                                 target=target_fn(step))
+    extra = []
+    if progress.progress_enabled(est.config.progress_bar):
+        extra.append(progress.ProgressBarHook(start=step, total=target_fn(step)))
+    _train(est, ckpts, state, pulls, first, prefetch, model_batch, list(hooks or ()) + extra)
 
 
 def _train(est, ckpts, state, pulls, first, prefetch: Prefetcher, model_batch, user_hooks):
@@ -165,6 +182,7 @@ def _train(est, ckpts, state, pulls, first, prefetch: Prefetcher, model_batch, u
     runner.begin()
     runner.after_create_session()
     chunk = first
+    est._live = None  # the state is donated to the loop from here on
     try:
         while chunk is not None:
             steps = np.arange(step + 1, step + chunk.steps + 1)
@@ -196,6 +214,7 @@ def _train(est, ckpts, state, pulls, first, prefetch: Prefetcher, model_batch, u
         runner.end()
         worker.join()
         saver.save(step)
+        est._live = (step, state_ref[0], {"global_step": step, "input_pulls": pulls_ref[0]})
         log.info("Loss for final step: %s.", float(losses[-1]))
     finally:
         prefetch.close()

@@ -1,0 +1,67 @@
+"""What a person watching training sees: a start-up summary and an optional tqdm bar."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+import jax
+import numpy as np
+
+import hooks as hooks_lib
+
+log = logging.getLogger("estimator")
+
+
+def count_parameters(params: Any) -> int:
+    return int(sum(np.prod(np.shape(x)) for x in jax.tree.leaves(params)))
+
+
+def log_startup_summary(est, *, global_batch: int, replica_batch: int, params: Any,
+                        start_step: int, target: int | None) -> None:
+    """One block at the start of training: devices, mesh, batch sizes and parameter count."""
+    devices = est.mesh.devices.reshape(-1)
+    kinds = sorted({d.device_kind for d in devices})
+    log.info(
+        "Training on %d %s device(s) (%s), %d process(es); mesh %s; global batch %d, "
+        "per-replica batch %d, %d replica(s); %s parameters; iterations_per_loop %d; "
+        "from step %d%s.",
+        len(devices), devices[0].platform, ", ".join(kinds), jax.process_count(),
+        dict(est.mesh.shape), global_batch, replica_batch, est.num_replicas,
+        f"{count_parameters(params):,}", est.config.tpu_config.iterations_per_loop,
+        start_step, "" if target is None else f" to step {target}",
+    )
+
+
+def progress_enabled(setting: bool | None) -> bool:
+    if os.environ.get("TPU_ESTIMATOR_NO_PROGRESS_BAR"):
+        return False
+    if setting is not None:
+        return bool(setting)
+    return sys.stderr.isatty()
+
+
+class ProgressBarHook(hooks_lib.SessionRunHook):
+    """A tqdm bar over global steps, advanced once per loop, showing the loop's mean loss."""
+
+    def __init__(self, *, start: int, total: int | None):
+        self._start, self._total = start, total
+        self._bar = None
+
+    def begin(self) -> None:
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(total=self._total, initial=self._start, unit="step",
+                         dynamic_ncols=True, leave=False)
+
+    def before_run(self, run_context):
+        return hooks_lib.SessionRunArgs("loss")
+
+    def after_run(self, run_context, run_values) -> None:
+        self._bar.update(len(run_context.steps))
+        self._bar.set_postfix(loss=f"{float(np.mean(run_values.results)):.4g}")
+
+    def end(self, session) -> None:
+        self._bar.close()
