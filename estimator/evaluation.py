@@ -11,7 +11,7 @@ import numpy as np
 
 from . import summary
 from .hook_runner import HookRunner, Session
-from .host import HostWorker, MetricAccumulator, real_rows
+from .host import HostWorker, MetricAccumulator
 from .runtime import seed_key_data
 from .spec import ModeKeys
 from .state import restore_variables
@@ -93,9 +93,8 @@ def run_eval_loops(est, input_fn, mode: str, *, steps, hooks, checkpoint_path, n
             loss_sum += float(np.where(per_replica > 0, losses * per_replica, 0.0).sum())
             count += int(mask.sum())
             metric_fn = est._holder[mode].eval_metrics
-            if metric_fn is not None:
-                rows = real_rows(tensors, mask)
-                worker.submit(lambda f=metric_fn[0], r=rows, c=int(mask.sum()): acc.update(f, r, c))
+            if metric_fn is not None:  # once per eval batch, padded rows removed
+                worker.submit(lambda f=metric_fn[0], t=tensors, m=mask: acc.update_loop(f, t, m))
         worker.join()
     finally:
         worker.close()

@@ -3,28 +3,60 @@
 Per-step host tensors come back from a loop stacked ``[n, global_rows, ...]``; this module
 slices them per step, removes padded rows, calls the user's functions and keeps the first
 error to raise in the caller's thread with its original traceback.
+
+Example:
+  >>> worker = HostWorker()
+  >>> seen = []
+  >>> run = lambda: run_host_calls(lambda x: seen.append(x.tolist()),
+  ...                              [np.arange(6).reshape(3, 2)], np.array([1, 2, 3]),
+  ...                              every_n=1, writer=None)
+  >>> worker.submit(run)
+  >>> worker.join(); worker.close()
+  >>> seen
+  [[0, 1], [2, 3], [4, 5]]
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import queue
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import jax
 import numpy as np
 
 import metrics as metrics_lib
 
 from . import summary
 
+_TRACER_ERRORS = (
+    jax.errors.UnexpectedTracerError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerBoolConversionError,
+    jax.errors.TracerIntegerConversionError,
+)
+
+
+class TracedValueError(ValueError):
+    """A host function uses a value computed inside the compiled computation."""
+
 
 class HostWorker:
-    """One background thread running submitted callables in submission order."""
+    """One background thread running submitted callables in submission order.
+
+    The first error a task raises is kept and raised by the next ``check``/``join``/``submit``
+    in the caller's thread, with its original traceback; every task after it is skipped, so
+    a failed host call stops all host work.
+    """
 
     def __init__(self, name: str = "host-calls"):
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
+        self._failed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -34,19 +66,25 @@ class HostWorker:
             try:
                 if task is None:
                     return
-                if self._error is None:
+                if not self._failed:
                     task()
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                self._failed = True
                 self._error = e
             finally:
                 self._queue.task_done()
+
+    @property
+    def failed(self) -> bool:
+        """Whether a task has raised (later tasks are skipped)."""
+        return self._failed
 
     def submit(self, task: Callable[[], None]) -> None:
         self.check()
         self._queue.put(task)
 
     def check(self) -> None:
-        """Raises the first error a task raised, with its original traceback."""
+        """Raises the first error a task raised (once), with its original traceback."""
         if self._error is not None:
             error, self._error = self._error, None
             raise error
@@ -61,43 +99,106 @@ class HostWorker:
         self._thread.join(timeout=30)
 
 
-def call_host_fn(fn: Callable, tensors: Any) -> Any:
-    """list -> positional arguments, dict -> keywords, as TPUEstimator did."""
-    if isinstance(tensors, Mapping):
-        return fn(**tensors)
-    return fn(*tensors)
-
-
-def run_host_calls(fn: Callable, tensors: Any, steps: np.ndarray, every_n: int,
-                   writer: Any) -> None:
-    """Calls ``fn`` for each step of a loop whose global step is a multiple of ``every_n``."""
-    for i, step in enumerate(steps):
-        if step % every_n:
+# ----------------------------------------------------------------------------- traced values
+def _captured(fn: Any) -> Iterator[tuple[str, Any]]:
+    """``(name, value)`` of what a function closes over, binds or defaults to."""
+    if isinstance(fn, functools.partial):
+        yield from ((f"argument {i}", a) for i, a in enumerate(fn.args))
+        yield from ((f"argument {k!r}", v) for k, v in fn.keywords.items())
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)  # bound methods: look at the function
+    code = getattr(fn, "__code__", None)
+    cells = getattr(fn, "__closure__", None) or ()
+    names = code.co_freevars if code is not None else ()
+    for name, cell in zip(names, cells, strict=False):
+        try:
+            yield name, cell.cell_contents
+        except ValueError:  # an empty cell
             continue
-        per_step = _index(tensors, i)
-        with summary.record(writer, int(step)):
-            call_host_fn(fn, per_step)
+    for i, default in enumerate(getattr(fn, "__defaults__", None) or ()):
+        yield f"default {i}", default
+
+
+def check_no_traced_values(fn: Any, what: str) -> None:
+    """Raises when ``fn`` captured a value from inside the compiled computation.
+
+    Raises:
+      TracedValueError: naming ``what`` and the captured variable.
+    """
+    for name, value in _captured(fn):
+        try:
+            leaves = jax.tree.leaves(value)
+        except Exception:  # noqa: BLE001 - an object jax cannot flatten holds no tracer
+            continue
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+            raise TracedValueError(_traced_message(what, f"captures {name!r}, which is"))
+
+
+def _traced_message(what: str, detail: str) -> str:
+    return (
+        f"{what} {detail} a value computed inside the compiled model_fn. {what} runs on the "
+        "host, after the device loop: pass device values through its tensors (host_call / "
+        "eval_metrics) instead of capturing them, and use only Python values otherwise."
+    )
+
+
+@contextlib.contextmanager
+def traced_value_guard(what: str):
+    """Turns JAX's errors about escaped tracers into a clear ``TracedValueError``."""
+    try:
+        yield
+    except _TRACER_ERRORS as e:
+        raise TracedValueError(_traced_message(what, "uses")) from e
+
+
+def call_host_fn(fn: Callable, tensors: Any, *, what: str = "host function") -> Any:
+    """list -> positional arguments, dict -> keywords, as TPUEstimator did."""
+    check_no_traced_values(fn, what)
+    with traced_value_guard(what):
+        if isinstance(tensors, Mapping):
+            return fn(**tensors)
+        return fn(*tensors)
 
 
 def _index(tensors: Any, i: int) -> Any:
     if isinstance(tensors, Mapping):
-        return {k: v[i] for k, v in tensors.items()}
-    return [v[i] for v in tensors]
+        return {k: np.asarray(v[i]) for k, v in tensors.items()}
+    return [np.asarray(v[i]) for v in tensors]
 
 
-def real_rows(tensors: Any, host_mask: np.ndarray) -> Any:
-    """Concatenates a loop's per-step tensors, keeping only rows of real examples.
+# ----------------------------------------------------------------------------- host_call
+def run_host_calls(
+    fn: Callable, tensors: Any, steps: np.ndarray, every_n: int, writer: Any
+) -> None:
+    """Calls ``fn`` once per step of a loop, in order, thinned by ``every_n``.
 
-    A tensor whose per-step rows equal the global batch is filtered by the padding mask; one
-    with another leading size (e.g. one row per replica) is concatenated as it is.
+    Args:
+      fn: the host_call function.
+      tensors: the loop's host tensors, each stacked ``[n, global_rows, ...]``.
+      steps: the global step after each of the ``n`` steps.
+      every_n: call only where the global step is a multiple of this
+        (``TPUConfig.host_call_every_n_steps``).
+      writer: the writer ``estimator.summary`` writes to during each call (or None).
     """
-    keep = host_mask.reshape(-1)
-    rows = host_mask.shape[1]
+    for i, step in enumerate(steps):
+        if int(step) % every_n:
+            continue
+        with summary.record(writer, int(step)):
+            call_host_fn(fn, _index(tensors, i), what="host_call")
+
+
+# ----------------------------------------------------------------------------- eval_metrics
+def batch_rows(tensors: Any, host_mask: np.ndarray, i: int) -> Any:
+    """Step ``i``'s tensors with padded rows removed.
+
+    A tensor whose rows equal the global batch is filtered by the padding mask; one with
+    another leading size (e.g. one row per replica) is passed as it is.
+    """
+    keep = host_mask[i]
 
     def one(v):
-        v = np.asarray(v)
-        flat = v.reshape(v.shape[0] * v.shape[1], *v.shape[2:])
-        return flat[keep] if v.shape[1] == rows else flat
+        v = np.asarray(v[i])
+        return v[keep] if v.shape[0] == keep.shape[0] else v
 
     if isinstance(tensors, Mapping):
         return {k: one(v) for k, v in tensors.items()}
@@ -108,13 +209,25 @@ RESERVED_METRIC_NAMES = ("loss", "global_step")
 
 
 class MetricAccumulator:
-    """Merges what metric_fn returns, per name, over every eval batch."""
+    """Merges what metric_fn returns, per name, over every eval batch.
+
+    A ``metrics.Metric`` is merged; a plain number is an example-weighted mean over batches.
+    """
 
     def __init__(self):
         self.metrics: dict[str, metrics_lib.Metric] = {}
+        self.calls = 0
+
+    def update_loop(self, metric_fn: Callable, tensors: Any, host_mask: np.ndarray) -> None:
+        """Runs ``metric_fn`` once per eval batch of a loop that has real rows."""
+        for i in range(host_mask.shape[0]):
+            num_examples = int(host_mask[i].sum())
+            if num_examples:
+                self.update(metric_fn, batch_rows(tensors, host_mask, i), num_examples)
 
     def update(self, metric_fn: Callable, tensors: Any, num_examples: int) -> None:
-        out = call_host_fn(metric_fn, tensors)
+        out = call_host_fn(metric_fn, tensors, what="eval_metrics' metric_fn")
+        self.calls += 1
         if not isinstance(out, Mapping):
             raise TypeError(
                 f"metric_fn must return a dict of name -> metrics.Metric, got {type(out).__name__}"
@@ -126,12 +239,7 @@ class MetricAccumulator:
                     "reports 'loss' and 'global_step' itself"
                 )
             if not isinstance(value, metrics_lib.Metric):
-                if np.ndim(value) != 0 and np.size(value) != 1:
-                    raise TypeError(
-                        f"metric_fn returned {name!r} of shape {np.shape(value)}; return a "
-                        "metrics.Metric or a scalar"
-                    )
-                value = metrics_lib.as_metric(np.asarray(value).reshape(()), num_examples)
+                value = _scalar_metric(name, value, num_examples)
             prev = self.metrics.get(name)
             self.metrics[name] = value if prev is None else prev.merge(value)
 
@@ -141,3 +249,23 @@ class MetricAccumulator:
             value = m.compute()
             out[name] = float(value) if np.ndim(value) == 0 else np.asarray(value)
         return out
+
+
+def _scalar_metric(name: str, value: Any, num_examples: int) -> metrics_lib.Metric:
+    if isinstance(value, tuple) and len(value) == 2:
+        raise TypeError(
+            f"metric_fn returned {name!r} as a (value, update_op) pair; in JAX return a "
+            "metrics.Metric (e.g. metrics.mean(values)) or a plain scalar"
+        )
+    try:
+        arr = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"metric_fn returned {name!r} of type {type(value).__name__}; return a "
+            "metrics.Metric or a scalar"
+        ) from None
+    if arr.size != 1:
+        raise TypeError(
+            f"metric_fn returned {name!r} of shape {arr.shape}; return a metrics.Metric or a scalar"
+        )
+    return metrics_lib.as_metric(arr.reshape(()), num_examples)

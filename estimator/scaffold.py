@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from .checkpoint import read_variables
+from .host import check_no_traced_values, traced_value_guard
 from .spec import ModeKeys
 
 log = logging.getLogger("estimator")
@@ -61,6 +62,7 @@ def flatten(variables: dict) -> dict[str, Any]:
 
 def unflatten_into(variables: dict, values: dict[str, Any]) -> dict:
     """``variables`` with the named leaves replaced."""
+
     def replace(collection, tree):
         prefix = "" if collection == "params" else f"{collection}/"
 
@@ -73,8 +75,9 @@ def unflatten_into(variables: dict, values: dict[str, Any]) -> dict:
     return {c: replace(c, t) for c, t in variables.items()}
 
 
-def _restore_matching(variables: dict, source: dict, mapping: Callable[[str], str | None],
-                      what: str) -> dict:
+def _restore_matching(
+    variables: dict, source: dict, mapping: Callable[[str], str | None], what: str
+) -> dict:
     current = flatten(variables)
     updates, matched = {}, []
     for name, value in current.items():
@@ -92,8 +95,12 @@ def _restore_matching(variables: dict, source: dict, mapping: Callable[[str], st
     unmatched = sorted(set(current) - set(matched))
     log.info("%s: restored %d variables: %s", what, len(matched), sorted(matched))
     if unmatched:
-        log.info("%s: %d variables not restored (kept their initial values): %s",
-                 what, len(unmatched), unmatched)
+        log.info(
+            "%s: %d variables not restored (kept their initial values): %s",
+            what,
+            len(unmatched),
+            unmatched,
+        )
     return unflatten_into(variables, updates)
 
 
@@ -109,20 +116,28 @@ def init_from_checkpoint(path: str, assignment_map: dict[str, str]) -> Callable[
         raise ValueError("assignment_map must be a non-empty dict {checkpoint_name: name}")
 
     def mapping(name: str) -> str | None:
-        for src, dst in assignment_map.items():
-            if dst == "/" :
-                return (src.rstrip("/") + "/" + name).lstrip("/") if src != "/" else name
-            if dst.endswith("/") and name.startswith(dst):
-                return src + name[len(dst):]
-            if name == dst:
-                return src
-        return None
+        return _source_name(name, assignment_map)
 
     def init_fn(variables: dict) -> dict:
-        return _restore_matching(variables, read_variables(path), mapping,
-                                 f"init_from_checkpoint({path})")
+        return _restore_matching(
+            variables, read_variables(path), mapping, f"init_from_checkpoint({path})"
+        )
 
     return init_fn
+
+
+def _source_name(name: str, assignment_map: dict[str, str]) -> str | None:
+    """The checkpoint name of current variable ``name`` (the longest matching entry wins)."""
+    best, best_len = None, -1
+    for src, dst in assignment_map.items():
+        src_scope = "" if src == "/" else src
+        dst_scope = "" if dst == "/" else dst
+        if dst_scope == "" or dst_scope.endswith("/"):  # scope -> scope
+            if name.startswith(dst_scope) and len(dst_scope) > best_len:
+                best, best_len = src_scope + name[len(dst_scope) :], len(dst_scope)
+        elif name == dst:  # one variable
+            return src
+    return best
 
 
 def _warm_start_fn(setting: Any) -> Callable[[dict], dict]:
@@ -136,22 +151,20 @@ def _warm_start_fn(setting: Any) -> Callable[[dict], dict]:
 
     def init_fn(variables: dict) -> dict:
         source = read_variables(setting.ckpt_to_initialize_from)
-        return _restore_matching(variables, source,
-                                 lambda n: n if pattern.match(n) else None,
-                                 f"warm_start_from({setting.ckpt_to_initialize_from})")
+        return _restore_matching(
+            variables,
+            source,
+            lambda n: n if pattern.match(n) else None,
+            f"warm_start_from({setting.ckpt_to_initialize_from})",
+        )
 
     return init_fn
 
 
 def _call_scaffold_fn(scaffold_fn: Callable) -> Scaffold:
-    try:
+    check_no_traced_values(scaffold_fn, "scaffold_fn")
+    with traced_value_guard("scaffold_fn"):
         scaffold = scaffold_fn()
-    except (jax.errors.UnexpectedTracerError, jax.errors.TracerArrayConversionError,
-            jax.errors.ConcretizationTypeError) as e:
-        raise ValueError(
-            "scaffold_fn depends on a value computed inside the compiled model_fn; it runs on "
-            "the host and may only use Python values and checkpoints"
-        ) from e
     if not isinstance(scaffold, Scaffold):
         raise ValueError(f"scaffold_fn must return an estimator.Scaffold, got {scaffold!r}")
     return scaffold
@@ -166,13 +179,15 @@ def fresh_init_fn(est) -> Callable[[dict], dict] | None:
     if scaffold_fn is not None:
         scaffold = _call_scaffold_fn(scaffold_fn)
         if scaffold.init_fn is not None:
+            check_no_traced_values(scaffold.init_fn, "Scaffold.init_fn")
             fns.append(scaffold.init_fn)
     if not fns:
         return None
 
     def init_fn(variables: dict) -> dict:
         for fn in fns:
-            variables = fn(variables)
+            with traced_value_guard("Scaffold.init_fn"):
+                variables = fn(variables)
             if not isinstance(variables, dict):
                 raise TypeError("Scaffold.init_fn must return the variables dict")
         return variables

@@ -57,11 +57,11 @@ class _Saver:
             self.save(step)
 
 
-def _default_hooks(est, writer) -> list:
+def _default_hooks(est) -> list:
     every = est.config.log_step_count_steps or 0
     out = [] if est.config.skip_nonfinite_steps else [hooks_lib.NanTensorHook("loss")]
-    if every:
-        out.append(hooks_lib.StepCounterHook(every_n_steps=every, summary_writer=writer))
+    if every:  # logs speed; the summaries come every save_summary_steps (TrainSummaries)
+        out.append(hooks_lib.StepCounterHook(every_n_steps=every))
     return out
 
 
@@ -72,17 +72,6 @@ def _log_loss(every: int, losses: np.ndarray, steps: np.ndarray, clock: list) ->
     log.info("loss = %s, step = %d (%.3f sec)", float(np.mean(losses)), int(steps[-1]),
              now - clock[0])
     clock[0] = now
-
-
-def _write_summaries(writer, every: int, losses: np.ndarray, steps: np.ndarray,
-                     nonfinite: int | None) -> None:
-    if writer is None or not every:
-        return
-    for loss, step in zip(losses, steps):
-        if step % every == 0:
-            writer.add_scalar("loss", float(loss), global_step=int(step))
-            if nonfinite is not None:
-                writer.add_scalar("nonfinite_steps", nonfinite, global_step=int(step))
 
 
 def _start(est, input_fn, batch_size, ckpts, target_fn):
@@ -173,12 +162,14 @@ def _train(est, ckpts, state, pulls, first, prefetch: Prefetcher, model_batch, u
     global_batch = est._batch[ModeKeys.TRAIN] or model_batch
     session = Session(mode=ModeKeys.TRAIN, model_dir=est.model_dir, global_step=step,
                       save=saver.save)
-    all_hooks = _default_hooks(est, writer) + list(spec.training_hooks) + list(user_hooks or ())
+    all_hooks = _default_hooks(est) + list(spec.training_hooks) + list(user_hooks or ())
     runner = HookRunner(all_hooks, session, examples_per_step=global_batch)
     loop = est._loop(ModeKeys.TRAIN, model_batch)
     worker = HostWorker()
     every_n = cfg.tpu_config.host_call_every_n_steps
     clock = [time.monotonic()]
+    summaries = summary.TrainSummaries(writer, every=cfg.save_summary_steps,
+                                       examples_per_step=global_batch)
     runner.begin()
     runner.after_create_session()
     chunk = first
@@ -199,8 +190,7 @@ def _train(est, ckpts, state, pulls, first, prefetch: Prefetcher, model_batch, u
                               run_host_calls(f, h, s, every_n, writer))
             nonfinite = (int(jax.device_get(state.nonfinite))
                          if cfg.skip_nonfinite_steps else None)
-            worker.submit(lambda l=losses, s=steps, nf=nonfinite:
-                          _write_summaries(writer, cfg.save_summary_steps, l, s, nf))
+            summaries.after_loop(losses, steps, nonfinite)
             _log_loss(cfg.log_step_count_steps, losses, steps, clock)
             values = {"loss": losses, "global_step": steps}
             if isinstance(host, dict):
