@@ -126,7 +126,7 @@ class ReplicaContext:
             return 0
         return lax.axis_index(self._axis_name)
 
-    def all_reduce(self, reduce_op: ReduceOp | str, value: PyTree) -> PyTree:
+    def all_reduce(self, reduce_op: ReduceOp | str, value: PyTree, options: Any = None) -> PyTree:
         """Sums or averages every leaf of ``value`` across replicas.
 
         A value that is the same on every replica (not derived from the replica's inputs)
@@ -135,26 +135,30 @@ class ReplicaContext:
         Args:
           reduce_op: ``ReduceOp.SUM`` or ``ReduceOp.MEAN`` (or ``"sum"``/``"mean"``).
           value: a pytree of arrays.
+          options: accepted for TF compatibility; ignored.
 
         Returns:
           The reduced pytree, identical on every replica.
         """
+        del options
         op = ReduceOp.from_value(reduce_op)
         if self._axis_name is None:
             return value
         reduce = lax.psum if op is ReduceOp.SUM else lax.pmean
         return jax.tree.map(lambda x: reduce(x, self._axis_name), value)
 
-    def all_gather(self, value: PyTree, axis: int = 0) -> PyTree:
+    def all_gather(self, value: PyTree, axis: int = 0, options: Any = None) -> PyTree:
         """Concatenates every leaf across replicas along ``axis``, replica 0 first.
 
         Args:
           value: a pytree of arrays of rank >= 1 with the same shape on every replica.
           axis: the axis to concatenate along.
+          options: accepted for TF compatibility; ignored.
 
         Returns:
           A pytree whose leaves are ``num_replicas_in_sync`` times longer along ``axis``.
         """
+        del options
         if self._axis_name is None:
             return value
         return jax.tree.map(

@@ -122,9 +122,11 @@ class PerReplica:
         return len(self._values) if self._values is not None else int(self._stacked.shape[0])
 
     def __repr__(self) -> str:
-        if self._values is None:
-            x = self._stacked
+        x = self._stacked
+        if self._values is None and hasattr(x, "shape") and hasattr(x, "dtype"):
             return f"PerReplica(replicas={x.shape[0]}, shape={tuple(x.shape[1:])}, {x.dtype})"
+        if self._values is None:
+            return f"PerReplica.from_stacked({x!r})"
         return f"PerReplica({list(self._values)!r})"
 
     def tree_flatten(self) -> tuple[tuple[Any, ...], bool]:
@@ -152,7 +154,7 @@ def _split_stacked(x: Any) -> tuple[Any, ...]:
     A shard that holds one whole replica's value is used as is (no copy between devices);
     otherwise (values sharded over ``"model"``) the array is indexed.
     """
-    if not isinstance(x, jax.Array):
+    if not _is_concrete(x):
         return tuple(x[i] for i in range(x.shape[0]))
     by_replica: dict[int, Any] = {}
     for shard in x.addressable_shards:
@@ -266,8 +268,18 @@ class TPUStrategy:
 
     # ----------------------------------------------------------------------------- run
 
-    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None = None):
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: dict | None = None,
+        options: Any = None,
+    ) -> PyTree:
         """Runs ``fn(*args, **kwargs)`` once per replica, compiled; see the module docstring.
+
+        ``run`` may itself be called inside ``jax.jit`` (e.g. a ``lax.fori_loop`` of steps,
+        like a ``tf.function`` looping over ``strategy.run``). ``options`` is accepted for TF
+        compatibility and ignored.
 
         Returns:
           ``fn``'s output structure with a stacked ``PerReplica`` at each array leaf.
@@ -276,6 +288,7 @@ class TPUStrategy:
           TypeError: a non-array argument is not hashable.
           ValueError: a ``PerReplica`` argument has the wrong number of replicas or is ragged.
         """
+        del options
         leaves, treedef = jax.tree.flatten((tuple(args), dict(kwargs or {})), _is_per_replica)
         kinds: list[Any] = []
         dynamic: list[Any] = []
@@ -330,7 +343,7 @@ class TPUStrategy:
 
     def _to_mesh(self, x: Any) -> Any:
         """Replicates a jax.Array living elsewhere (e.g. committed to one device)."""
-        if isinstance(x, jax.Array) and x.sharding.device_set != self._mesh_devices:
+        if _is_concrete(x) and x.sharding.device_set != self._mesh_devices:
             return jax.device_put(x, NamedSharding(self._mesh, P()))
         return x
 
@@ -358,15 +371,19 @@ class TPUStrategy:
                 f"a PerReplica of {len(value)} replicas was given to a strategy with "
                 f"{self.num_replicas_in_sync} replicas"
             )
-        if isinstance(x, jax.Array) and x.sharding.device_set == self._mesh_devices:
+        if isinstance(x, jax.core.Tracer) or (
+            _is_concrete(x) and x.sharding.device_set == self._mesh_devices
+        ):
             return x
-        return jax.device_put(x, NamedSharding(self._mesh, P(DATA)))
+        x = np.asarray(x)
+        sharding = NamedSharding(self._mesh, P(DATA))
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
     def _track(self, out: Any) -> None:
         """Bounds queued multi-device programs by waiting on the oldest one's smallest output."""
-        leaves = [x for x in jax.tree.leaves(out) if isinstance(x, jax.Array)]
+        leaves = [x for x in jax.tree.leaves(out) if _is_concrete(x)]
         if not leaves:
-            return
+            return  # nothing to wait on, or traced inside the caller's jax.jit
         self._in_flight.append(min(leaves, key=lambda a: a.size))
         while len(self._in_flight) > self._max_in_flight:
             self._in_flight.popleft().block_until_ready()
@@ -412,7 +429,7 @@ class TPUStrategy:
         if value.is_stacked:
             x = value.stacked
             axes = (0,) if axis is None else (0, 1 + _normalize_axis(axis, np.ndim(x) - 1))
-            out = _reduce_stacked(x, op=op.value, axes=axes)
+            out = _reduce_stacked(x, op=op.value, axes=axes, mesh=_mesh_of(x))
             self._track(out)
             return out
         parts = [jnp.asarray(v) for v in value.values]
@@ -429,6 +446,27 @@ class TPUStrategy:
         total = functools.reduce(np.add, sums)
         count = sum(v.shape[_normalize_axis(axis, v.ndim)] for v in parts)
         return jnp.asarray(total if op is ReduceOp.SUM else total / count)
+
+    def gather(self, value: PyTree, axis: int) -> PyTree:
+        """Concatenates per-replica values along ``axis``, replica 0 first (TF's ``gather``).
+
+        Plain (non-distributed) leaves are returned unchanged. A batch split by
+        ``experimental_distribute_dataset`` gathers back to the global batch with ``axis=0``.
+        """
+
+        def leaf(v: Any) -> Any:
+            if not isinstance(v, PerReplica):
+                return v
+            if not v.is_stacked:
+                parts = [np.asarray(p) for p in v.values]
+                return jnp.asarray(np.concatenate(parts, axis=axis))
+            x = v.stacked
+            k = _normalize_axis(axis, np.ndim(x) - 1)
+            out = _concat_stacked(x, axis=k, mesh=_mesh_of(x))
+            self._track(out)
+            return out
+
+        return jax.tree.map(leaf, value, is_leaf=_is_per_replica)
 
     # -------------------------------------------------------------------- distributing
 
@@ -611,9 +649,34 @@ def _normalize_axis(axis: int, ndim: int) -> int:
     return axis % ndim
 
 
-@functools.partial(jax.jit, static_argnames=("op", "axes"))
-def _reduce_stacked(x: jax.Array, *, op: str, axes: tuple[int, ...]) -> jax.Array:
-    return jnp.sum(x, axis=axes) if op == "SUM" else jnp.mean(x, axis=axes)
+def _is_concrete(x: Any) -> bool:
+    return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+
+
+@functools.partial(jax.jit, static_argnames=("op", "axes", "mesh"))
+def _reduce_stacked(
+    x: jax.Array, *, op: str, axes: tuple[int, ...], mesh: Mesh | None
+) -> jax.Array:
+    out = jnp.sum(x, axis=axes) if op == "SUM" else jnp.mean(x, axis=axes)
+    return _replicated_on(out, mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "mesh"))
+def _concat_stacked(x: jax.Array, *, axis: int, mesh: Mesh | None) -> jax.Array:
+    moved = jnp.moveaxis(x, 0, axis)  # (..., replicas, n_axis, ...)
+    shape = moved.shape[:axis] + (moved.shape[axis] * moved.shape[axis + 1],)
+    return _replicated_on(moved.reshape(shape + moved.shape[axis + 2 :]), mesh)
+
+
+def _mesh_of(x: Any) -> Mesh | None:
+    return x.sharding.mesh if _is_concrete(x) and isinstance(x.sharding, NamedSharding) else None
+
+
+def _replicated_on(x: jax.Array, mesh: Mesh | None) -> jax.Array:
+    # Replicated results can be read by every process (multi-host).
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
 
 
 class DistributedDataset:

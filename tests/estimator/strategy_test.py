@@ -213,6 +213,24 @@ def test_run_argument_errors(strategy, value, error, message):
         strategy.run(lambda v: 0.0, args=(value,))
 
 
+def test_run_inside_jit_loops_on_device(strategy):
+    """Like a tf.function looping over strategy.run: several steps in one compiled call."""
+
+    def step(v):
+        return get_replica_context().all_reduce(ReduceOp.SUM, v) / R + 1.0
+
+    @jax.jit
+    def three_steps(v):
+        for _ in range(3):
+            v = strategy.run(step, args=(v,))
+        return v
+
+    x = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.float32(ctx.replica_id_in_sync_group)
+    )
+    np.testing.assert_allclose(three_steps(x).stacked, np.full(R, (R - 1) / 2 + 3))
+
+
 # --------------------------------------------------------------------- reduce
 
 
@@ -284,6 +302,20 @@ def test_reduce_plain_value_follows_tf(strategy):
         strategy.reduce(ReduceOp.SUM, x)
     np.testing.assert_allclose(strategy.reduce(ReduceOp.SUM, x, axis=0), R * x.sum(0))
     np.testing.assert_allclose(strategy.reduce(ReduceOp.MEAN, x, axis=1), x.mean(1))
+
+
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_gather_concatenates_replicas(strategy, axis):
+    s = _stacked_values()
+    value = strategy.experimental_distribute_values_from_function(
+        lambda ctx: s[ctx.replica_id_in_sync_group]
+    )
+    expected = np.concatenate(list(s), axis=axis)
+    np.testing.assert_array_equal(strategy.gather(value, axis), expected)
+    ragged = PerReplica([np.arange(i + 1) for i in range(R)])
+    np.testing.assert_array_equal(
+        strategy.gather({"r": ragged, "p": 1}, 0)["r"], np.concatenate(ragged.values)
+    )
 
 
 # ----------------------------------------------------------- distributing inputs
@@ -428,11 +460,22 @@ def reference():
         return _reference_loop()
 
 
+_RUNS = {}
+
+
+def _trained(cores):
+    """(strategy, params, losses) of the custom loop with ``cores`` per replica, run once."""
+    if cores not in _RUNS:
+        da = DeviceAssignment.build(computation_shape=cores)
+        strategy = TPUStrategy(device_assignment=da)
+        _RUNS[cores] = (strategy, *_custom_loop(strategy))
+    return _RUNS[cores]
+
+
 @pytest.mark.parametrize("cores", [1, 2])
 def test_custom_loop_matches_single_device_reference(cores, reference):
-    strategy = TPUStrategy(device_assignment=DeviceAssignment.build(computation_shape=cores))
+    strategy, params, losses = _trained(cores)
     assert strategy.num_replicas_in_sync == 8 // cores
-    params, losses = _custom_loop(strategy)
     ref_params, ref_losses = reference
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for replica_params in strategy.experimental_local_results(params):
@@ -443,14 +486,23 @@ def test_custom_loop_matches_single_device_reference(cores, reference):
         )
 
 
-def test_model_parallel_halves_parameter_shards(mp_strategy, strategy):
+def test_model_parallel_equals_data_parallel_with_half_shards(mp_strategy, strategy):
     variables = _Mlp().init(jax.random.key(0), jnp.ones((1, 16)))
     kernels = {}
     for name, s in [("dp", strategy), ("mp", mp_strategy)]:
         placed = shard_variables(s.mesh, variables)["params"]
         kernels[name] = placed["Dense_0"]["kernel"].addressable_shards[0].data.shape
     assert kernels == {"dp": (16, 32), "mp": (16, 16)}
-    params, _ = _custom_loop(mp_strategy)
-    trained = params["Dense_0"]["kernel"].stacked  # (replicas, 16, 32), still split over "model"
+
+    mp, mp_params, mp_losses = _trained(2)
+    dp, dp_params, dp_losses = _trained(1)
+    assert (mp.num_replicas_in_sync, mp.num_cores_per_replica) == (4, 2)
+    np.testing.assert_allclose(mp_losses, dp_losses, rtol=1e-5)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+        mp.experimental_local_results(mp_params)[0],
+        dp.experimental_local_results(dp_params)[0],
+    )
+    trained = mp_params["Dense_0"]["kernel"].stacked  # (4, 16, 32), still split over "model"
     assert trained.sharding.spec[2] == MODEL
     assert {s.data.shape for s in trained.addressable_shards} == {(1, 16, 16)}
