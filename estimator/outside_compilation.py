@@ -165,7 +165,7 @@ def _to_host(expected: PyTree, name: str) -> Callable[[Any], list]:
                 f"result_shape declares {treedef}"
             )
         leaves = []
-        for i, (x, spec) in enumerate(zip(jax.tree.leaves(out), specs)):
+        for i, (x, spec) in enumerate(zip(jax.tree.leaves(out), specs, strict=True)):
             arr = np.asarray(x)
             if arr.shape != tuple(spec.shape):
                 raise ValueError(
@@ -178,8 +178,7 @@ def _to_host(expected: PyTree, name: str) -> Callable[[Any], list]:
     return convert
 
 
-def _host_call(computation: Callable, rebuild: Callable, arrays: list,
-               expected: PyTree) -> PyTree:
+def _host_call(computation: Callable, rebuild: Callable, arrays: list, expected: PyTree) -> PyTree:
     """The io_callback itself, typed per replica and transparent (zero) to gradients."""
     name = _name(computation)
     convert = _to_host(expected, name) if expected is not None else None
@@ -193,8 +192,7 @@ def _host_call(computation: Callable, rebuild: Callable, arrays: list,
 
     @jax.custom_jvp
     def call(*values):
-        return _on_first_core(lambda *v: io_callback(host, specs, *v, ordered=False), specs,
-                              values)
+        return _on_first_core(lambda *v: io_callback(host, specs, *v, ordered=False), specs, values)
 
     @call.defjvp
     def call_jvp(primals, tangents):
@@ -214,8 +212,11 @@ def _auto_axes() -> tuple[str, ...]:
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.axis_names:
         return ()
-    return tuple(n for n, t in zip(mesh.axis_names, mesh.axis_types)
-                 if t != jax.sharding.AxisType.Manual)
+    return tuple(
+        n
+        for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if t != jax.sharding.AxisType.Manual
+    )
 
 
 def _on_first_core(fn: Callable, specs: list | None, values: tuple) -> Any:
@@ -243,8 +244,9 @@ def _on_first_core(fn: Callable, specs: list | None, values: tuple) -> Any:
         return [_broadcast(o, auto) for o in out]
 
     out_specs = None if specs is None else [P() for _ in specs]
-    return jax.shard_map(inner, in_specs=tuple(P() for _ in values), out_specs=out_specs,
-                         axis_names=set(auto))(*values)
+    return jax.shard_map(
+        inner, in_specs=tuple(P() for _ in values), out_specs=out_specs, axis_names=set(auto)
+    )(*values)
 
 
 def _broadcast(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
@@ -271,8 +273,9 @@ def _per_replica(x: jax.Array) -> jax.Array:
         return x
 
 
-def outside_compilation(computation: Callable, *args: Any, result_shape: Any = INFER,
-                        **kwargs: Any) -> Any:
+def outside_compilation(
+    computation: Callable, *args: Any, result_shape: Any = INFER, **kwargs: Any
+) -> Any:
     """Runs ``computation(*args, **kwargs)`` on the host from a replicated computation.
 
     Args:
@@ -305,11 +308,11 @@ def outside_compilation(computation: Callable, *args: Any, result_shape: Any = I
         raise RuntimeError(f"outside_compilation({_name(computation)}) {forbidden}")
     leaves, treedef = jax.tree.flatten((args, kwargs))
     is_array = [_is_array(x) for x in leaves]
-    arrays = [jnp.asarray(x) for x, a in zip(leaves, is_array) if a]
+    arrays = [jnp.asarray(x) for x, a in zip(leaves, is_array, strict=True) if a]
 
     def rebuild(values: list) -> tuple[tuple, dict]:
         it = iter(values)
-        full = [next(it) if a else x for x, a in zip(leaves, is_array)]
+        full = [next(it) if a else x for x, a in zip(leaves, is_array, strict=True)]
         return jax.tree.unflatten(treedef, full)
 
     if result_shape is INFER:
