@@ -10,6 +10,9 @@ from . import runtime as _runtime
 from . import summary
 from .config import InputPipelineConfig, RunConfig, TPUConfig
 from .context import get_global_step, padding_mask
+from .device_assignment import DeviceAssignment
+from .replica_context import ReduceOp, get_replica_context
+from .strategy import PerReplica, TPUStrategy, get_strategy
 from .input_context import InputContext
 from .scaffold import Scaffold, WarmStartSettings, init_from_checkpoint
 from .spec import EstimatorSpec, ModeKeys, TPUEstimatorSpec
@@ -19,6 +22,12 @@ from .train_and_evaluate import EvalSpec, TrainSpec, train_and_evaluate
 _runtime.setup_logging()
 
 __all__ = [
+    "DeviceAssignment",
+    "PerReplica",
+    "ReduceOp",
+    "TPUStrategy",
+    "get_replica_context",
+    "get_strategy",
     "EstimatorSpec",
     "EvalSpec",
     "TrainSpec",

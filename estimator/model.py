@@ -6,6 +6,7 @@ every variable: ``params`` is what ``train_op`` trains and every other collectio
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 from collections.abc import Callable
@@ -15,6 +16,8 @@ import flax.linen as nn
 import jax
 
 from . import context
+from .mesh import DATA
+from .replica_context import replica_scope
 from .spec import ModeKeys, TPUEstimatorSpec, as_tpu_spec
 
 _MODEL_FN_ARGS = ("features", "labels", "mode", "params", "config")
@@ -100,12 +103,21 @@ class ModelFn:
         self.arg_names = model_fn_args(model_fn)
         self.params = params
         self.config = config
+        self.num_replicas = 1  # set by the estimator from its mesh
 
     def check_labels(self, has_labels: bool) -> None:
         if has_labels and "labels" not in self.arg_names:
             raise ValueError(
                 "input_fn returned labels, but model_fn does not take a 'labels' argument"
             )
+
+    @contextlib.contextmanager
+    def _scope(self, mode: str, mask, step):
+        """model_fn runs as one replica over the mesh's ``"data"`` axis: its padding mask and
+        step are current, and ``get_replica_context()`` gives the cross-replica helpers."""
+        with context.calling_model_fn(context.CallContext(mode, mask, step)):
+            with replica_scope(self.num_replicas, axis_name=DATA):
+                yield
 
     def _root(self, mode: str, batch_size: int | None) -> _Root:
         params = copy.deepcopy(self.params)
@@ -117,7 +129,7 @@ class ModelFn:
     def init(self, rngs: dict, features, labels, *, mode: str, batch_size: int | None, mask, step):
         """Creates every variable by tracing model_fn once; returns (variables, spec)."""
         root = self._root(mode, batch_size)
-        with context.calling_model_fn(context.CallContext(mode, mask, step)):
+        with self._scope(mode, mask, step):
             spec, variables = root.init_with_output(rngs, features, labels)
         return variables, as_tpu_spec(spec, mode)
 
@@ -136,7 +148,7 @@ class ModelFn:
     ) -> tuple[TPUEstimatorSpec, dict]:
         """Runs model_fn on existing variables; returns (spec, updated mutable collections)."""
         root = self._root(mode, batch_size)
-        with context.calling_model_fn(context.CallContext(mode, mask, step)):
+        with self._scope(mode, mask, step):
             if mutable:
                 spec, new_vars = root.apply(
                     variables, features, labels, rngs=rngs, mutable=list(mutable)

@@ -25,6 +25,7 @@ calls do nothing.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import threading
 import time
@@ -36,6 +37,7 @@ import numpy as np
 _LOCAL = threading.local()
 _WRITERS: dict[str, Any] = {}
 _LOCK = threading.Lock()
+_COUNTER = itertools.count()
 
 
 def writer_for(logdir: str):
@@ -52,7 +54,11 @@ def writer_for(logdir: str):
     with _LOCK:
         w = _WRITERS.get(logdir)
         if w is None:
-            w = _WRITERS[logdir] = SummaryWriter(logdir=logdir, flush_secs=10)
+            # A unique suffix: tensorboardX names files by the second, and two writers opened
+            # in the same second in one directory would overwrite each other's file.
+            suffix = f".{os.getpid()}.{next(_COUNTER)}"
+            w = _WRITERS[logdir] = SummaryWriter(logdir=logdir, flush_secs=10,
+                                                 filename_suffix=suffix)
         return w
 
 

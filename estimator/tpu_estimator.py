@@ -78,6 +78,7 @@ class TPUEstimator:
         else:
             self._mesh = single_device_mesh()
         self._replicas = num_replicas(self._mesh)
+        self._model.num_replicas = self._replicas
         if self._use_tpu and tpu.num_shards is not None and tpu.num_shards != self._replicas:
             raise ValueError(
                 f"TPUConfig.num_shards={tpu.num_shards} does not match the {self._replicas} "
@@ -94,6 +95,7 @@ class TPUEstimator:
         self._checkpoints: ckpt_lib.Checkpoints | None = None
         # (step, TrainState, meta) left by the last train(), equal to its final checkpoint.
         self._live: tuple | None = None
+        self._stopped_by_hook = False  # whether the last train() ended on a hook's request
 
     # ----------------------------------------------------------------- properties
     @property

@@ -20,6 +20,7 @@ from . import progress, summary
 from .hook_runner import HookRunner, Session
 from .host import HostWorker, run_host_calls
 from .inputs import Prefetcher
+from .preemption import Preempted, PreemptionWatcher
 from .spec import ModeKeys
 from .state import fresh_train_state, restore_train_state, train_state_parts
 
@@ -29,9 +30,9 @@ log = logging.getLogger("estimator")
 class _Saver:
     """Writes checkpoints at the configured cadence and at the end; never twice a step."""
 
-    def __init__(self, est, ckpts, state_ref: list, pulls_ref: list):
+    def __init__(self, est, ckpts, state_ref: list, position: dict):
         self.est, self.ckpts = est, ckpts
-        self.state_ref, self.pulls_ref = state_ref, pulls_ref
+        self.state_ref, self.position = state_ref, position  # input_pulls, input_state
         cfg = est.config
         self.every_steps = cfg.save_checkpoints_steps
         self.every_secs = cfg.checkpoint_every_secs
@@ -44,11 +45,17 @@ class _Saver:
         if step == self.last_step:
             return self.ckpts.path(step)
         variables, train = train_state_parts(state)
-        meta = {"global_step": step, "input_pulls": self.pulls_ref[0]}
-        self.ckpts.save(step, variables, train, meta)
+        self.ckpts.save(step, variables, train, self.meta(step))
         log.info("Saving checkpoints for %d into %s.", step, self.ckpts.path(step))
         self.last_step, self.last_time = step, time.monotonic()
         return self.ckpts.path(step)
+
+    def meta(self, step: int) -> dict:
+        """The JSON meta of a checkpoint: the step and the input position after it."""
+        out = {"global_step": step, "input_pulls": self.position["input_pulls"]}
+        if self.position.get("input_state") is not None:
+            out["input_state"] = self.position["input_state"]
+        return out
 
     def maybe_save(self, step: int) -> None:
         due_steps = self.every_steps and step - (self.last_step or 0) >= self.every_steps
@@ -74,17 +81,25 @@ def _log_loss(every: int, losses: np.ndarray, steps: np.ndarray, clock: list) ->
     clock[0] = now
 
 
-def _start(est, input_fn, batch_size, ckpts, target_fn):
-    """Builds the input stream and the state (restored, or fresh with scaffold/warm start)."""
-    latest = ckpts.steps()
-    meta = ckpts.meta(latest[-1]) if latest else {}
-    skip = meta.get("input_pulls", 0) if est.config.resume_input_position else 0
+def _open_input(est, input_fn, meta: dict, target_fn):
+    """The training input positioned after the batches ``meta`` says were consumed, and its
+    first chunk; None when the input ended while skipping those batches.
+
+    An iterator with ``get_state``/``set_state`` is restored to the saved state; otherwise a
+    deterministic input_fn is fast-forwarded by the saved number of pulls.
+    """
+    resume = est.config.resume_input_position
     pipe = est._pipeline(input_fn, ModeKeys.TRAIN, pad=False)
-    planned = [meta.get("global_step", 0)]
+    skip = int(meta.get("input_pulls", 0)) if resume else 0
+    if resume and pipe.stateful and meta.get("input_state") is not None:
+        pipe.set_state(meta["input_state"])
+        skip = 0
+    begin = int(meta.get("global_step", 0))
+    planned = [begin]
     ipl = est.config.tpu_config.iterations_per_loop
 
     def schedule() -> int:
-        target = target_fn(planned[0])
+        target = target_fn(begin)
         n = ipl if target is None else min(ipl, target - planned[0])
         planned[0] += max(n, 0)
         return n
@@ -98,18 +113,42 @@ def _start(est, input_fn, batch_size, ckpts, target_fn):
             log.warning("Input ended: nothing left to train after %d consumed batches.", skip)
             return None
         raise ValueError("input_fn produced no training batches") from None
+    except BaseException:
+        prefetch.close()
+        raise
+    return pipe, prefetch, first
+
+
+def _start(est, input_fn, batch_size, ckpts, latest, target_fn):
+    """Builds the input stream and the state (restored, or fresh with scaffold/warm start)."""
+    meta = latest[1] if latest else {}
+    opened = _open_input(est, input_fn, meta, target_fn)
+    if opened is None:
+        return None
+    pipe, prefetch, first = opened
     model_batch = jax.tree.leaves(first.features)[0].shape[1] // est.num_replicas
-    est._model.check_labels(pipe.has_labels)
-    restored = restore_train_state(est, ckpts, first, model_batch)
-    if restored is not None:
-        state, meta = restored
-        pulls = int(meta.get("input_pulls", 0))
-    else:
+    try:
+        est._model.check_labels(pipe.has_labels)
+        restored = restore_train_state(est, ckpts, first, model_batch)
+    except BaseException:
+        prefetch.close()
+        raise
+    if restored is None:
         from .scaffold import fresh_init_fn
 
         state = fresh_train_state(est, first, model_batch, lambda: fresh_init_fn(est))
-        pulls = 0
-    return state, pulls, first, prefetch, model_batch
+        return state, {"input_pulls": 0}, first, prefetch, model_batch
+    state, restored_meta = restored
+    if restored_meta.get("global_step") != meta.get("global_step"):
+        # The newest checkpoint was damaged and an older one restored: reposition the input.
+        prefetch.close()
+        opened = _open_input(est, input_fn, restored_meta, target_fn)
+        if opened is None:
+            return None
+        pipe, prefetch, first = opened
+    position = {"input_pulls": int(restored_meta.get("input_pulls", 0)),
+                "input_state": restored_meta.get("input_state")}
+    return state, position, first, prefetch, model_batch
 
 
 def _stop_hook_targets(user_hooks, start_step: int) -> list[int]:
@@ -124,21 +163,28 @@ def _stop_hook_targets(user_hooks, start_step: int) -> list[int]:
 
 def run_train_loops(est, input_fn, *, hooks, steps, max_steps) -> None:
     ckpts = est._writer_checkpoints()
-    latest = ckpts.steps()
-    start_step = latest[-1] if latest else 0
+    latest = ckpts.latest_meta()  # the newest step that looks intact
+    start_step = latest[0] if latest else 0
     if max_steps is not None and start_step >= max_steps:
-        log.info("Skipping training since max_steps has already saved (step %d).", start_step)
+        log.info("Skipping training since max_steps has already saved (step %d; max_steps "
+                 "%d).", start_step, max_steps)
         return
     batch_size = est._global_batch(ModeKeys.TRAIN)
-    targets = [t for t in (max_steps, None if steps is None else start_step + steps)
-               if t is not None] + _stop_hook_targets(hooks, start_step)
 
-    def target_fn(_planned):
+    def target_fn(begin: int) -> int | None:
+        """The step to stop at, for a run that starts (is restored) at ``begin``."""
+        targets = [t for t in (max_steps, None if steps is None else begin + steps)
+                   if t is not None] + _stop_hook_targets(hooks, begin)
         return min(targets) if targets else None
 
-    started = _start(est, input_fn, batch_size, ckpts, target_fn)
-    if started is None:
-        return
+    with PreemptionWatcher() as watcher:
+        started = _start(est, input_fn, batch_size, ckpts, latest, target_fn)
+        if started is None:
+            return
+        _run(est, ckpts, started, hooks, target_fn, watcher)
+
+
+def _run(est, ckpts, started, hooks, target_fn, watcher) -> None:
     state, pulls, first, prefetch, model_batch = started
     step = int(jax.device_get(state.step))
     global_batch = est._batch[ModeKeys.TRAIN] or model_batch
@@ -148,15 +194,17 @@ def run_train_loops(est, input_fn, *, hooks, steps, max_steps) -> None:
     extra = []
     if progress.progress_enabled(est.config.progress_bar):
         extra.append(progress.ProgressBarHook(start=step, total=target_fn(step)))
-    _train(est, ckpts, state, pulls, first, prefetch, model_batch, list(hooks or ()) + extra)
+    _train(est, ckpts, state, pulls, first, prefetch, model_batch, list(hooks or ()) + extra,
+           watcher)
 
 
-def _train(est, ckpts, state, pulls, first, prefetch: Prefetcher, model_batch, user_hooks):
+def _train(est, ckpts, state, position, first, prefetch: Prefetcher, model_batch, user_hooks,
+           watcher):
     cfg = est.config
     writer = summary.writer_for(est.model_dir)
     spec = est._holder[ModeKeys.TRAIN]
-    state_ref, pulls_ref = [state], [pulls]
-    saver = _Saver(est, ckpts, state_ref, pulls_ref)
+    state_ref = [state]
+    saver = _Saver(est, ckpts, state_ref, position)
     step = int(jax.device_get(state.step))
     saver.last_step = step if ckpts.steps() else None
     global_batch = est._batch[ModeKeys.TRAIN] or model_batch
@@ -174,6 +222,7 @@ def _train(est, ckpts, state, pulls, first, prefetch: Prefetcher, model_batch, u
     runner.after_create_session()
     chunk = first
     est._live = None  # the state is donated to the loop from here on
+    est._stopped_by_hook = False
     try:
         while chunk is not None:
             steps = np.arange(step + 1, step + chunk.steps + 1)
@@ -182,7 +231,8 @@ def _train(est, ckpts, state, pulls, first, prefetch: Prefetcher, model_batch, u
             state_ref[0] = state
             losses, host = jax.device_get((losses, host))
             step += chunk.steps
-            pulls_ref[0] += chunk.pulls
+            position["input_pulls"] += chunk.pulls
+            position["input_state"] = chunk.input_state
             session.global_step = step
             host_call = est._holder[ModeKeys.TRAIN].host_call
             if host_call is not None:
@@ -199,12 +249,15 @@ def _train(est, ckpts, state, pulls, first, prefetch: Prefetcher, model_batch, u
             worker.check()
             saver.maybe_save(step)
             if stop:
+                est._stopped_by_hook = True
+                break
+            if watcher.requested:  # SIGTERM: checkpoint this step below, then exit
                 break
             chunk = next(prefetch, None)
         runner.end()
         worker.join()
         saver.save(step)
-        est._live = (step, state_ref[0], {"global_step": step, "input_pulls": pulls_ref[0]})
+        est._live = (step, state_ref[0], saver.meta(step))
         log.info("Loss for final step: %s.", float(losses[-1]))
     finally:
         prefetch.close()
@@ -212,3 +265,5 @@ def _train(est, ckpts, state, pulls, first, prefetch: Prefetcher, model_batch, u
         ckpts.wait()
         # Closing (not flush) waits for tensorboardX's queue: summaries are on disk on return.
         summary.close(est.model_dir)
+    if watcher.requested:  # the checkpoint of ``step`` is on disk: exit as TF's handler did
+        raise Preempted(step, ckpts.path(step))
