@@ -115,8 +115,11 @@ def _captured(fn: Any) -> Iterator[tuple[str, Any]]:
             yield name, cell.cell_contents
         except ValueError:  # an empty cell
             continue
-    for i, default in enumerate(getattr(fn, "__defaults__", None) or ()):
-        yield f"default {i}", default
+    defaults = getattr(fn, "__defaults__", None) or ()
+    if code is not None and defaults:
+        with_defaults = code.co_varnames[code.co_argcount - len(defaults) : code.co_argcount]
+        yield from zip(with_defaults, defaults, strict=True)
+    yield from (getattr(fn, "__kwdefaults__", None) or {}).items()
 
 
 def check_no_traced_values(fn: Any, what: str) -> None:
