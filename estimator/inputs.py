@@ -8,7 +8,9 @@ loop while the current one runs; at most ``depth`` loops wait in its queue.
 
 from __future__ import annotations
 
+import base64
 import inspect
+import json
 import logging
 import queue
 import threading
@@ -62,6 +64,47 @@ def call_input_fn(input_fn: Callable, *, params: dict, config: Any, mode: str,
         raise TypeError(
             f"input_fn must return an iterable of batches, got {type(data).__name__}"
         ) from None
+
+
+_BYTES = "__bytes_b64__"
+
+
+def encode_state(state: Any) -> Any:
+    """An input iterator's ``get_state()`` as a JSON value (checkpoints store it in ``meta``).
+
+    bytes (Grain's iterators return them) become ``{"__bytes_b64__": ...}`` and numpy scalars
+    Python numbers; tuples come back as lists.
+
+    Raises:
+      TypeError: the state holds something JSON cannot store, naming its type.
+    """
+
+    def default(o):
+        if isinstance(o, (bytes, bytearray)):
+            return {_BYTES: base64.b64encode(bytes(o)).decode("ascii")}
+        if isinstance(o, np.generic):
+            return o.item()
+        raise TypeError(f"{type(o).__name__} is not JSON serializable")
+
+    try:
+        return json.loads(json.dumps(state, default=default))
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"the input iterator's get_state() returned a {type(state).__name__} that cannot be "
+            f"saved in a checkpoint ({e}); return JSON-serialisable values (dict, list, str, "
+            "numbers, bytes), or remove get_state/set_state to fast-forward the input instead"
+        ) from e
+
+
+def decode_state(state: Any) -> Any:
+    """The inverse of ``encode_state``."""
+    if isinstance(state, dict):
+        if set(state) == {_BYTES}:
+            return base64.b64decode(state[_BYTES])
+        return {k: decode_state(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [decode_state(v) for v in state]
+    return state
 
 
 def split_element(element: Any) -> tuple[Any, Any]:
@@ -170,6 +213,7 @@ class Chunk(NamedTuple):
     host_mask: np.ndarray  # bool [n, global batch]
     steps: int  # real steps (batches with at least one real row)
     pulls: int  # batches taken from the input iterator
+    input_state: Any = None  # the iterator's encoded get_state() right after these pulls
 
 
 class Pipeline:
@@ -199,6 +243,16 @@ class Pipeline:
         self.has_labels: bool | None = None
         self.exhausted = False
         self.pulled = 0
+        self.stateful = all(callable(getattr(iterator, m, None))
+                            for m in ("get_state", "set_state"))
+
+    def get_state(self) -> Any:
+        """The iterator's position as JSON (see ``encode_state``); None if it has none."""
+        return encode_state(self.it.get_state()) if self.stateful else None
+
+    def set_state(self, state: Any) -> None:
+        """Moves the iterator to a position ``get_state`` returned (before any pull)."""
+        self.it.set_state(decode_state(state))
 
     def _pull(self) -> tuple[list, int] | None:
         try:
@@ -279,7 +333,7 @@ def read_chunk(pipe: Pipeline, n: int, *, fill: bool, mesh: Mesh) -> Chunk | Non
     features, labels, mask = jax.device_put(
         (features, labels, host_mask.astype(np.float32)), sharding
     )
-    return Chunk(features, labels, mask, host_mask, real, pipe.pulled - start)
+    return Chunk(features, labels, mask, host_mask, real, pipe.pulled - start, pipe.get_state())
 
 
 _DONE = object()

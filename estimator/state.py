@@ -107,7 +107,7 @@ def restore_train_state(est, ckpts: ckpt_lib.Checkpoints, chunk: Chunk,
     variables = abstract_variables(est, ModeKeys.TRAIN, chunk, batch_size)
     params, _ = _split(variables)
     train = _replicated(est, _train_extras(est, params))
-    got = ckpts.restore_latest(variables=variables, train=train)
+    got = ckpts.restore_latest(variables=variables, train=train, quarantine=True)
     if got is None:
         return None
     step, out = got

@@ -314,7 +314,7 @@ class TPUEstimator:
         path = self.latest_checkpoint()
         if path is None:
             raise ValueError(f"No checkpoint found in {self.model_dir}")
-        return ckpt_lib.read_variables(path)
+        return ckpt_lib.read_variables(self.model_dir)  # the newest readable one
 
 
 def _model_dir(model_dir: str | None, config: RunConfig) -> str:
