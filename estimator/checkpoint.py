@@ -227,23 +227,27 @@ class Checkpoints:
             ) from e
         return {**{k: out[k] for k in args}, "meta": meta}
 
-    def _skip(self, step: int, error: CheckpointError, *, quarantine: bool) -> None:
+    def _warn(self, step: int, error: CheckpointError) -> None:
         if step not in self._warned:
             log.warning("Skipping unreadable checkpoint at step %d: %s", step, error)
             self._warned.add(step)
-        if quarantine and not self.read_only and os.path.isdir(self.path(step)):
-            target = self.path(step) + ".unreadable"
-            n = 0
-            while os.path.exists(target):
-                n += 1
-                target = f"{self.path(step)}.unreadable.{n}"
-            os.rename(self.path(step), target)
-            log.warning(
-                "Moved the unreadable checkpoint %s aside to %s (nothing is deleted).",
-                self.path(step),
-                target,
-            )
-            self._manager.reload()
+
+    def _quarantine(self, step: int) -> None:
+        """Moves a damaged step to ``<step>.unreadable`` so the step can be written again."""
+        if self.read_only or not os.path.isdir(self.path(step)):
+            return
+        target = self.path(step) + ".unreadable"
+        n = 0
+        while os.path.exists(target):
+            n += 1
+            target = f"{self.path(step)}.unreadable.{n}"
+        os.rename(self.path(step), target)
+        log.warning(
+            "Moved the unreadable checkpoint %s aside to %s (nothing is deleted).",
+            self.path(step),
+            target,
+        )
+        self._manager.reload()
 
     def latest_meta(self) -> tuple[int, dict] | None:
         """``(step, meta)`` of the newest step whose files look intact (a cheap check).
@@ -256,7 +260,7 @@ class Checkpoints:
             try:
                 return s, self.meta(s)
             except CheckpointError as e:
-                self._skip(s, e, quarantine=False)
+                self._warn(s, e)
         if steps:
             raise CheckpointError(
                 f"no readable checkpoint in {self.directory} (steps {steps}); "
@@ -287,7 +291,7 @@ class Checkpoints:
         """
         if step is not None:
             return step, self.restore(step, variables=variables, train=train)
-        errors, tried = [], set()
+        errors, tried, skipped = [], set(), []
         while True:
             candidates = [s for s in reversed(self.steps()) if s not in tried]
             if not candidates:
@@ -295,15 +299,20 @@ class Checkpoints:
             s = candidates[0]
             tried.add(s)
             try:
-                return s, self.restore(s, variables=variables, train=train)
+                out = self.restore(s, variables=variables, train=train)
             except CheckpointMismatchError:
                 raise
             except CheckpointError as e:
                 if not os.path.isdir(self.path(s)):  # rotated away by a writer while we read
                     log.info("Checkpoint %d was removed while being read; trying a newer one.", s)
                     continue
-                self._skip(s, e, quarantine=quarantine)
+                self._warn(s, e)
                 errors.append(str(e))
+                skipped.append(s)
+                continue
+            for bad in skipped if quarantine else ():  # only once a good step was found
+                self._quarantine(bad)
+            return s, out
         if not errors:
             return None
         raise CheckpointError(
