@@ -87,6 +87,22 @@ def _scan(step_fn, carry, xs, unroll: bool):
     return lax.scan(step_fn, carry, xs, unroll=n if unroll else 1)
 
 
+def constrain(tree: Any, specs: Any) -> Any:
+    """Sharding constraints over the ``"model"`` axis inside a replica (None: no constraint).
+
+    ``specs`` is a PartitionSpec for every leaf, or a pytree of them (a prefix of ``tree``).
+    """
+    if specs is None or tree is None:
+        return tree
+    if isinstance(specs, P):
+        return jax.tree.map(lambda a: lax.with_sharding_constraint(a, specs), tree)
+    return jax.tree.map(
+        lambda s, a: a if s is None else jax.tree.map(
+            lambda x: lax.with_sharding_constraint(x, s), a),
+        specs, tree, is_leaf=lambda s: s is None or isinstance(s, P),
+    )
+
+
 def make_train_loop(
     model: ModelFn,
     mesh: Mesh,
@@ -95,11 +111,20 @@ def make_train_loop(
     batch_size: int,
     unroll: bool = False,
     skip_nonfinite: bool = False,
+    var_specs: Any = None,
+    input_specs: tuple = (None, None),
 ):
-    """``loop(state, batch) -> (state, (loss[n], host_tensors[n, ...]))``, state donated."""
+    """``loop(state, batch) -> (state, (loss[n], host_tensors[n, ...]))``, state donated.
+
+    ``var_specs`` ({"params": ..., collection: ...} of PartitionSpecs) keeps variables sharded
+    over ``"model"``; ``input_specs`` (features, labels) splits inputs spatially.
+    """
+    param_specs = None if var_specs is None else var_specs.get("params")
+    state_specs = None if var_specs is None else {
+        k: v for k, v in var_specs.items() if k != "params"}
 
     def step_fn(state: TrainState, batch: tuple):
-        features, labels = batch
+        features, labels = constrain(batch[0], input_specs[0]), constrain(batch[1], input_specs[1])
         rngs = step_rngs(jax.random.wrap_key_data(state.rng), state.step, lax.axis_index(DATA))
         mask = jnp.ones((batch_size,), jnp.float32)
         mutable = tuple(state.state)
@@ -118,10 +143,9 @@ def make_train_loop(
         loss = lax.pmean(loss, DATA)
         tx = holder[ModeKeys.TRAIN].train_op
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        new = TrainState(
-            params, replica_mean(new_state), opt_state, state.step + 1, state.rng, state.nonfinite
-        )
+        params = constrain(optax.apply_updates(state.params, updates), param_specs)
+        new_state = constrain(replica_mean(new_state), state_specs or None)
+        new = TrainState(params, new_state, opt_state, state.step + 1, state.rng, state.nonfinite)
         if skip_nonfinite:
             finite = jnp.isfinite(loss) & jnp.all(
                 jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)] or [True])
@@ -144,7 +168,7 @@ def make_train_loop(
 
 
 def make_eval_loop(model: ModelFn, mesh: Mesh, holder: SpecHolder, *, mode: str, batch_size: int,
-                   unroll: bool = False):
+                   unroll: bool = False, input_specs: tuple = (None, None)):
     """EVAL: ``loop(variables, step, rng, batch) -> (loss[n, R], metric tensors[n, GB, ...])``.
 
     PREDICT: the same signature returning ``predictions[n, GB, ...]``.
@@ -153,6 +177,7 @@ def make_eval_loop(model: ModelFn, mesh: Mesh, holder: SpecHolder, *, mode: str,
     def step_fn(carry, batch):
         variables, step, rng = carry
         features, labels, mask = batch
+        features, labels = constrain(features, input_specs[0]), constrain(labels, input_specs[1])
         rngs = step_rngs(jax.random.wrap_key_data(rng), step, lax.axis_index(DATA))
         spec, _ = model.apply(
             variables, features, labels, mode=mode, batch_size=batch_size, mask=mask,
@@ -192,6 +217,8 @@ def make_init(model: ModelFn, mesh: Mesh, holder: SpecHolder, *, mode: str, batc
             rngs, features, labels, mode=mode, batch_size=batch_size, mask=mask, step=step
         )
         holder[mode] = spec
+        # Flax partitioning boxes (nn.with_partitioning) stay: the estimator reads them to
+        # shard variables over "model", then unboxes.
         return replica_mean(dict(variables))
 
     return jax.jit(

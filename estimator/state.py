@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import checkpoint as ckpt_lib
+from . import partitioning
 from .inputs import Chunk
 from .loops import TrainState
 from .runtime import seed_key_data
@@ -43,10 +44,22 @@ def _init_args(est, chunk: Chunk):
     return rng, jnp.int32(0), features, labels
 
 
+def _sharded(est, boxed: dict) -> tuple[dict, Any]:
+    """Unboxes Flax partitioning metadata; returns (variables, NamedShardings) and keeps the
+    PartitionSpecs on the estimator for the loops (``nn.with_partitioning`` over "model")."""
+    specs = partitioning.param_specs(boxed)
+    est._var_specs = specs
+    shardings = jax.tree.map(lambda spec: NamedSharding(est.mesh, spec), specs,
+                             is_leaf=lambda x: isinstance(x, P))
+    return partitioning.unbox(boxed), shardings
+
+
 def abstract_variables(est, mode: str, chunk: Chunk, batch_size: int) -> dict:
     """Shapes of every variable, by tracing model_fn in ``mode`` (nothing is computed)."""
     init = est._loop(f"init_{mode}", batch_size)
-    return _replicated(est, jax.eval_shape(init, *_init_args(est, chunk)))
+    variables, shardings = _sharded(est, jax.eval_shape(init, *_init_args(est, chunk)))
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        variables, shardings)
 
 
 def _split(variables: dict) -> tuple[Any, dict]:
@@ -83,15 +96,16 @@ def fresh_train_state(est, chunk: Chunk, batch_size: int, make_init_fn=None) -> 
     model_fn was traced, so the spec's scaffold_fn is known) may then replace variables."""
     init = est._loop("init_train", batch_size)
     args = _init_args(est, chunk)
-    variables = init(*args)
+    variables, shardings = _sharded(est, init(*args))
+    variables = jax.device_put(variables, shardings)
     init_fn = make_init_fn() if make_init_fn is not None else None
     if init_fn is not None:
-        variables = _place(est, init_fn(jax.device_get(variables)))
+        variables = jax.device_put(init_fn(jax.device_get(variables)), shardings)
     params, _ = _split(variables)
     tx = est._holder[ModeKeys.TRAIN].train_op
-    opt_state = jax.jit(tx.init, out_shardings=NamedSharding(est.mesh, P()))(params)
-    train = _place(est, {"opt_state": opt_state, "step": jnp.int32(0), "rng": args[0],
-                         "nonfinite": jnp.int32(0)})
+    opt_state = jax.jit(tx.init)(params)  # slots take their parameter's sharding
+    train = {"opt_state": opt_state,
+             **_place(est, {"step": jnp.int32(0), "rng": args[0], "nonfinite": jnp.int32(0)})}
     return to_train_state(variables, train)
 
 

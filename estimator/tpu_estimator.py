@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from . import checkpoint as ckpt_lib
+from . import partitioning
 from . import runtime
 from .config import InputPipelineConfig, RunConfig
 from .evaluation import run_eval_loops
@@ -92,6 +93,7 @@ class TPUEstimator:
         self._warm_start_from = warm_start_from
         self._holder = SpecHolder()
         self._compiled: dict = {}
+        self._var_specs = None  # PartitionSpecs of the variables, known once model_fn is traced
         self._checkpoints: ckpt_lib.Checkpoints | None = None
         # (step, TrainState, meta) left by the last train(), equal to its final checkpoint.
         self._live: tuple | None = None
@@ -202,12 +204,31 @@ class TPUEstimator:
             elif kind == ModeKeys.TRAIN:
                 fn = make_train_loop(self._model, self._mesh, self._holder,
                                      batch_size=batch_size, unroll=unroll,
-                                     skip_nonfinite=self._config.skip_nonfinite_steps)
+                                     skip_nonfinite=self._config.skip_nonfinite_steps,
+                                     var_specs=self._var_specs, input_specs=self._input_specs())
             else:
                 fn = make_eval_loop(self._model, self._mesh, self._holder, mode=kind,
-                                    batch_size=batch_size, unroll=unroll)
+                                    batch_size=batch_size, unroll=unroll,
+                                    input_specs=self._input_specs())
             self._compiled[key] = fn
         return self._compiled[key]
+
+    def _input_specs(self) -> tuple:
+        """(features, labels) PartitionSpecs from ``TPUConfig.input_partition_dims``."""
+        tpu = self._config.tpu_config
+        dims = tpu.input_partition_dims
+        if not dims:
+            return (None, None)
+
+        def specs(d):
+            if d is None:
+                return None
+            if isinstance(d, dict):
+                return {k: specs(v) for k, v in d.items()}
+            return partitioning.partition_spec_from_dims(
+                d, num_cores_per_replica=tpu.num_cores_per_replica)
+
+        return specs(dims[0]), specs(dims[1]) if len(dims) > 1 else None
 
     def _writer_checkpoints(self) -> ckpt_lib.Checkpoints:
         if self._checkpoints is None:
@@ -286,6 +307,27 @@ class TPUEstimator:
         return run_predict_loops(self, input_fn, predict_keys=predict_keys, hooks=hooks,
                                  checkpoint_path=checkpoint_path,
                                  yield_single_examples=yield_single_examples)
+
+    def export_saved_model(
+        self,
+        export_dir_base: str,
+        serving_input_receiver_fn: Callable,
+        checkpoint_path: str | None = None,
+        *,
+        fold_variables: bool = False,
+        platforms: Sequence[str] | None = None,
+    ) -> str:
+        """Exports the PREDICT computation (``jax.export``, symbolic batch) with its variables.
+
+        Returns the new ``<export_dir_base>/<timestamp>`` directory; load it anywhere with
+        ``estimator.load_saved_model``. See ``estimator/export.py`` for the serving input
+        form and the files written.
+        """
+        from .export import export_saved_model
+
+        return export_saved_model(self, export_dir_base, serving_input_receiver_fn,
+                                  checkpoint_path, fold_variables=fold_variables,
+                                  platforms=platforms)
 
     # ----------------------------------------------------------------- checkpoints
     def latest_checkpoint(self) -> str | None:
