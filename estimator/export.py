@@ -1,0 +1,479 @@
+"""export_saved_model and load_saved_model: the PREDICT computation, serialized by jax.export.
+
+Example:
+  >>> serving_input_receiver_fn = estimator.build_raw_serving_input_receiver_fn(
+  ...     {"x": np.zeros((1, 64), np.float32)})          # the batch dimension's size is ignored
+  >>> path = est.export_saved_model("/tmp/export", serving_input_receiver_fn)
+  >>> model = estimator.load_saved_model(path)          # any process; no model code needed
+  >>> model({"x": x})                                   # {'class_ids': ..., 'logits': ...}
+
+The serving input. ``serving_input_receiver_fn()`` takes no arguments and returns the
+features model_fn receives in PREDICT mode, as shapes: a dict of name -> ``jax.ShapeDtypeStruct``
+(or example array), or one of them alone. Each needs a leading batch dimension, whose size is
+ignored: it becomes the symbolic dimension ``b``, so the export serves any batch size. (This is
+TF's ``ServingInputReceiver`` reduced to its feature specs; an object with a ``features``
+attribute is accepted too.) ``float64``/``int64`` become ``float32``/``int32`` as in training.
+
+What is written: ``<export_dir_base>/<seconds since epoch>/`` (unique, written under a
+``temp-`` name and renamed when complete) holding
+
+* ``saved_model.jax``: the PREDICT computation for one device, serialized by ``jax.export``
+  (StableHLO; runs wherever a compatible jaxlib does, on the export's ``platforms``);
+* ``variables/variables.npz``: the variables by name (``params/dense/kernel``,
+  ``batch_stats/...``), unless ``fold_variables=True`` folded them into the program as constants
+  (``rewrite_for_inference``);
+* ``signature.json``: input and output names, shapes (``"b"`` for the batch) and dtypes, the
+  global step, how variables are stored, platforms and versions.
+
+The outputs are ``export_outputs`` of the PREDICT spec when given (a dict of output name ->
+array, or -> the name of a ``predictions`` key), else every entry of ``predictions`` (an array
+alone is named ``"output"``). Every output needs the batch dimension first.
+model_fn runs with ``params["batch_size"]`` equal to the symbolic batch size, the padding mask
+all ones, the checkpoint's global step, and as replica 0 of 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+COMPUTATION_FILE = "saved_model.jax"
+VARIABLES_FILE = os.path.join("variables", "variables.npz")
+SIGNATURE_FILE = "signature.json"
+BATCH = "b"
+_SINGLE_INPUT, _SINGLE_OUTPUT = "features", "output"
+_CANONICAL = {
+    np.dtype(np.float64): np.float32,
+    np.dtype(np.int64): np.int32,
+    np.dtype(np.uint64): np.uint32,
+}
+
+
+# --------------------------------------------------------------------------- serving input
+def build_raw_serving_input_receiver_fn(features: Any) -> Callable[[], Any]:
+    """A serving_input_receiver_fn for features shaped like ``features`` (TF's name).
+
+    Args:
+      features: a dict of name -> example array or ``jax.ShapeDtypeStruct`` (or one alone),
+        each with a leading batch dimension of any size.
+
+    Example:
+      >>> fn = build_raw_serving_input_receiver_fn({"x": np.zeros((1, 6), np.float32)})
+      >>> fn()["x"].shape[1:]
+      (6,)
+    """
+    specs = _feature_specs(features)
+    return lambda: specs
+
+
+def _feature_specs(features: Any) -> Any:
+    """Per-leaf ``ShapeDtypeStruct`` with canonical dtypes; checks names and ranks."""
+    features = getattr(features, "features", features)
+    if isinstance(features, Mapping):
+        for key, value in features.items():
+            if not isinstance(key, str) or isinstance(value, Mapping):
+                raise TypeError(
+                    f"serving features must be a flat dict of str -> array spec; got key {key!r}"
+                )
+        return {k: _spec(v, k) for k, v in features.items()}
+    return _spec(features, _SINGLE_INPUT)
+
+
+def _spec(x: Any, name: str) -> jax.ShapeDtypeStruct:
+    if not isinstance(x, jax.ShapeDtypeStruct):
+        try:
+            x = np.asarray(x)
+        except Exception as e:  # noqa: BLE001
+            raise TypeError(f"serving feature {name!r} is not an array spec: {x!r}") from e
+    dtype = np.dtype(x.dtype)
+    if dtype.kind in "OUSV":
+        raise TypeError(f"serving feature {name!r} has non-numeric dtype {dtype}")
+    if len(x.shape) == 0:
+        raise ValueError(
+            f"serving feature {name!r} is a scalar; it needs a leading batch dimension"
+        )
+    return jax.ShapeDtypeStruct(tuple(x.shape), _CANONICAL.get(dtype, dtype))
+
+
+def _symbolic(specs: Any) -> Any:
+    (b,) = jax.export.symbolic_shape(BATCH)
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct((b, *s.shape[1:]), s.dtype), specs)
+
+
+# --------------------------------------------------------------------------- the computation
+def _restore(est, specs: Any, checkpoint_path: str | None) -> tuple[dict, int]:
+    """The checkpoint's variables (host numpy) and global step, shaped by a 1-row trace."""
+    from .inputs import Chunk
+    from .spec import ModeKeys
+    from .state import restore_variables
+
+    rows = est.num_replicas
+    zeros = jax.tree.map(lambda s: np.zeros((1, rows, *s.shape[1:]), s.dtype), specs)
+    chunk = Chunk(features=zeros, labels=None, mask=None, host_mask=None, steps=1, pulls=0)
+    variables, step = restore_variables(est, ModeKeys.PREDICT, chunk, 1, checkpoint_path)
+    return jax.tree.map(np.asarray, jax.device_get(variables)), step
+
+
+def _select_outputs(spec: Any) -> dict:
+    preds = spec.predictions
+    if not spec.export_outputs:
+        return dict(preds) if isinstance(preds, Mapping) else {_SINGLE_OUTPUT: preds}
+    out = {}
+    for name, value in spec.export_outputs.items():
+        if isinstance(value, str):
+            if not isinstance(preds, Mapping) or value not in preds:
+                keys = sorted(preds) if isinstance(preds, Mapping) else []
+                raise ValueError(
+                    f"export_outputs[{name!r}] names predictions key {value!r}, which does not "
+                    f"exist; predictions keys: {keys}"
+                )
+            value = preds[value]
+        if not hasattr(value, "shape"):
+            raise TypeError(
+                f"export_outputs[{name!r}] must be an array or a predictions key, got "
+                f"{type(value).__name__}"
+            )
+        out[str(name)] = value
+    return out
+
+
+def _predict_fn(est, global_step: int) -> Callable:
+    """``(variables, features) -> {name: array}``: model_fn in PREDICT mode on one device."""
+    from .mesh import DATA, single_device_mesh
+    from .model import step_rngs
+    from .runtime import seed_key_data
+    from .spec import ModeKeys
+
+    key = jax.random.wrap_key_data(seed_key_data(est.config.tf_random_seed))
+
+    def predict(variables, features):
+        batch = jax.tree.leaves(features)[0].shape[0]
+        step = jnp.int32(global_step)
+        spec, _ = est._model.apply(
+            variables,
+            features,
+            None,
+            mode=ModeKeys.PREDICT,
+            batch_size=batch,
+            mask=jnp.ones((batch,), jnp.float32),
+            step=step,
+            rngs=step_rngs(key, step, 0),
+        )
+        outputs = _select_outputs(spec)
+        for name, value in outputs.items():
+            if len(value.shape) == 0 or value.shape[0] != batch:
+                raise ValueError(
+                    f"export output {name!r} has shape {tuple(value.shape)}; every output "
+                    f"needs the batch dimension ({batch}) first"
+                )
+        return outputs
+
+    return jax.shard_map(
+        predict,
+        mesh=single_device_mesh(),
+        in_specs=(P(), P(DATA)),
+        out_specs=P(DATA),
+        axis_names={DATA},
+    )
+
+
+def _flat_names(variables: dict) -> list[str]:
+    paths = jax.tree_util.tree_flatten_with_path(variables)[0]
+    return ["/".join(str(getattr(k, "key", k)) for k in path) for path, _ in paths]
+
+
+def _export(
+    est, specs: Any, variables: dict, global_step: int, *, fold_variables: bool, platforms
+) -> tuple[jax.export.Exported, list | None]:
+    from .inference import rewrite_for_inference, validate_inference_rewrite_for_variables
+    from .outside_compilation import forbid_host_calls
+
+    predict = _predict_fn(est, global_step)
+    sym = _symbolic(specs)
+    kwargs = {"platforms": tuple(platforms)} if platforms else {}
+    reason = "cannot be exported: host callbacks are not serializable by jax.export"
+    with forbid_host_calls(reason):
+        if fold_variables:
+            program = rewrite_for_inference(predict, variables=variables, name="serving_default")
+            exported = jax.export.export(program.jitted, **kwargs)(sym)
+            validate_inference_rewrite_for_variables(exported, inputs=[sym])
+            return exported, None
+        leaves, treedef = jax.tree.flatten(variables)
+
+        def serving_default(var_leaves, features):
+            return predict(jax.tree.unflatten(treedef, var_leaves), features)
+
+        structs = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in leaves]
+        return jax.export.export(jax.jit(serving_default), **kwargs)(structs, sym), leaves
+
+
+# --------------------------------------------------------------------------- writing
+def _describe(avals: Any) -> dict:
+    return {
+        "shape": [d if isinstance(d, int) else str(d) for d in avals.shape],
+        "dtype": np.dtype(avals.dtype).name,
+    }
+
+
+def _signature(exported, specs, variables, global_step, fold_variables) -> dict:
+    outs = jax.tree.unflatten(exported.out_tree, exported.out_avals)
+    described = [
+        {"name": n, **_describe(v)}
+        for n, v in zip(_flat_names(variables), jax.tree.leaves(variables), strict=True)
+    ]
+    inputs = specs if isinstance(specs, Mapping) else {_SINGLE_INPUT: specs}
+    return {
+        "format": "tpu-estimator/jax.export",
+        "signature_name": "serving_default",
+        "batch_dimension": BATCH,
+        "input_structure": "dict" if isinstance(specs, Mapping) else "array",
+        "inputs": {k: _describe(_symbolic(v)) for k, v in inputs.items()},
+        "outputs": {k: _describe(v) for k, v in outs.items()},
+        "variables": {"stored": "folded" if fold_variables else VARIABLES_FILE, "list": described},
+        "global_step": int(global_step),
+        "platforms": list(exported.platforms),
+        "calling_convention_version": exported.calling_convention_version,
+        "jax_version": jax.__version__,
+        "created": time.time(),
+    }
+
+
+def _json(signature: dict) -> str:
+    """Indented JSON with each shape on one line."""
+    text = json.dumps(signature, indent=2, sort_keys=True)
+    shape = r'\[\s*((?:"b"|\d+)(?:,\s*(?:"b"|\d+))*)?\s*\]'
+    return (
+        re.sub(
+            shape,
+            lambda m: (
+                "[" + ", ".join(re.split(r",\s*", m.group(1) or "")) + "]" if m.group(1) else "[]"
+            ),
+            text,
+        )
+        + "\n"
+    )
+
+
+def _reserve_dir(base: str) -> tuple[str, str]:
+    """A fresh ``temp-<ts>`` directory and the ``<ts>`` name it will be renamed to."""
+    os.makedirs(base, exist_ok=True)
+    ts = int(time.time())
+    while True:
+        final, temp = os.path.join(base, str(ts)), os.path.join(base, f"temp-{ts}")
+        if not os.path.exists(final):
+            try:
+                os.makedirs(temp)
+                return temp, final
+            except FileExistsError:
+                pass
+        ts += 1
+
+
+def _write(base: str, exported, leaves: list | None, names: list[str], signature: dict) -> str:
+    temp, final = _reserve_dir(base)
+    try:
+        with open(os.path.join(temp, COMPUTATION_FILE), "wb") as f:
+            f.write(exported.serialize())
+        if leaves is not None:
+            os.makedirs(os.path.join(temp, "variables"))
+            np.savez(os.path.join(temp, VARIABLES_FILE), **dict(zip(names, leaves, strict=True)))
+        with open(os.path.join(temp, SIGNATURE_FILE), "w") as f:
+            f.write(_json(signature))
+        while True:
+            try:
+                os.rename(temp, final)
+                return final
+            except OSError:
+                if not os.path.exists(final):
+                    raise
+                # another export took this second meanwhile
+                final = os.path.join(base, str(int(os.path.basename(final)) + 1))
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+
+
+def export_saved_model(
+    est,
+    export_dir_base: str,
+    serving_input_receiver_fn: Callable,
+    checkpoint_path: str | None = None,
+    *,
+    fold_variables: bool = False,
+    platforms: tuple[str, ...] | None = None,
+) -> str:
+    """Writes the PREDICT computation, its variables and its signature; returns the directory.
+
+    Args:
+      est: the ``TPUEstimator``.
+      export_dir_base: the timestamped export directory is made inside it.
+      serving_input_receiver_fn: ``() -> features`` as shapes (see the module doc).
+      checkpoint_path: a checkpoint to export (default: the latest in ``model_dir``).
+      fold_variables: keyword-only. True folds the variables into the program as constants
+        (``rewrite_for_inference``, validated); False (default) stores them beside it.
+      platforms: keyword-only; platforms to lower for (e.g. ``("cpu", "cuda")``); default the
+        current backend's.
+
+    Raises:
+      ValueError: no checkpoint, a bad serving input, or an output without a batch dimension.
+      RuntimeError: model_fn uses ``outside_compilation`` in PREDICT mode.
+    """
+    if not callable(serving_input_receiver_fn):
+        raise TypeError(
+            f"serving_input_receiver_fn must be callable, got {serving_input_receiver_fn!r}"
+        )
+    specs = _feature_specs(serving_input_receiver_fn())
+    variables, step = _restore(est, specs, checkpoint_path)
+    exported, leaves = _export(
+        est, specs, variables, step, fold_variables=fold_variables, platforms=platforms
+    )
+    signature = _signature(exported, specs, variables, step, fold_variables)
+    if jax.process_index() != 0:
+        return ""
+    return _write(str(export_dir_base), exported, leaves, _flat_names(variables), signature)
+
+
+def export_from_config(est, config: Any, export_dir_base: str) -> str:
+    """``tpu-estimator export``: serving shapes from the first batch of the job's predict input.
+
+    ``config.export_fold_variables`` (optional, default False) chooses folded variables.
+    """
+    import models
+
+    from .input_context import InputContext
+    from .inputs import call_input_fn, split_element
+    from .spec import ModeKeys
+
+    input_fn = models.DATASETS[config.dataset](config)["predict"]
+    batch = config.get("predict_batch_size", None) or config.eval_batch_size
+    it = call_input_fn(
+        input_fn,
+        params={"batch_size": int(batch)},
+        config=est.config,
+        mode=ModeKeys.PREDICT,
+        input_context=InputContext(1, 0, 1),
+    )
+    features, _ = split_element(next(iter(it)))
+    fn = build_raw_serving_input_receiver_fn(features)
+    return export_saved_model(
+        est, export_dir_base, fn, fold_variables=bool(config.get("export_fold_variables", False))
+    )
+
+
+# --------------------------------------------------------------------------- loading
+class LoadedModel:
+    """An exported PREDICT computation, callable on numpy features; see ``load_saved_model``."""
+
+    def __init__(self, path: str):
+        self.path = path
+        with open(os.path.join(path, SIGNATURE_FILE)) as f:
+            self.signature = json.load(f)
+        with open(os.path.join(path, COMPUTATION_FILE), "rb") as f:
+            self.exported = jax.export.deserialize(bytearray(f.read()))
+        var = self.signature["variables"]
+        self._variables = None
+        if var["stored"] != "folded":
+            with np.load(os.path.join(path, var["stored"]), allow_pickle=False) as npz:
+                self._variables = [
+                    jnp.asarray(_as_dtype(npz[v["name"]], v["dtype"])) for v in var["list"]
+                ]
+        self._call = jax.jit(self.exported.call)
+
+    @property
+    def input_names(self) -> list[str]:
+        return list(self.signature["inputs"])
+
+    @property
+    def output_names(self) -> list[str]:
+        return list(self.signature["outputs"])
+
+    def _features(self, features: Any, kwargs: dict) -> Any:
+        sig = self.signature["inputs"]
+        if features is None:
+            features = kwargs
+        elif kwargs:
+            raise TypeError("pass the features either as one argument or as keywords, not both")
+        if self.signature["input_structure"] == "array":
+            features = features.get(_SINGLE_INPUT) if isinstance(features, Mapping) else features
+            return _conform(features, sig[_SINGLE_INPUT], _SINGLE_INPUT)
+        if not isinstance(features, Mapping):
+            raise TypeError(f"features must be a dict with keys {sorted(sig)}")
+        missing, extra = sorted(set(sig) - set(features)), sorted(set(features) - set(sig))
+        if missing or extra:
+            raise ValueError(
+                f"features: missing {missing}, unexpected {extra}; the export takes {sorted(sig)}"
+            )
+        return {k: _conform(features[k], sig[k], k) for k in sig}
+
+    def __call__(self, features: Any = None, /, **kwargs: Any) -> dict[str, np.ndarray]:
+        """Runs the computation; returns ``{output name: numpy array}``."""
+        feats = self._features(features, kwargs)
+        rows = {
+            k: v.shape[0]
+            for k, v in (feats.items() if isinstance(feats, dict) else [(_SINGLE_INPUT, feats)])
+        }
+        if len(set(rows.values())) != 1:
+            raise ValueError(f"features have different batch sizes: {rows}")
+        args = (feats,) if self._variables is None else (self._variables, feats)
+        return {k: np.asarray(v) for k, v in self._call(*args).items()}
+
+    def __repr__(self) -> str:
+        return f"LoadedModel({self.path!r}, inputs={self.input_names}, outputs={self.output_names})"
+
+
+def _as_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
+    want = jnp.dtype(dtype)
+    return x.view(want) if x.dtype != want and x.dtype.itemsize == want.itemsize else x
+
+
+def _conform(x: Any, sig: dict, name: str) -> np.ndarray:
+    arr = np.asarray(x)
+    want = tuple(sig["shape"][1:])
+    if arr.ndim != len(sig["shape"]) or arr.shape[1:] != want:
+        raise ValueError(
+            f"feature {name!r} has shape {arr.shape}; the export takes "
+            f"(batch, {', '.join(map(str, want))})"
+        )
+    dtype = jnp.dtype(sig["dtype"])
+    if arr.dtype != dtype and not np.can_cast(arr.dtype, dtype, casting="same_kind"):
+        raise TypeError(f"feature {name!r} has dtype {arr.dtype}; the export takes {dtype}")
+    return arr.astype(dtype, copy=False)
+
+
+def load_saved_model(path: str) -> LoadedModel:
+    """Loads an export: a callable ``model(features) -> {output name: numpy array}``.
+
+    Needs only this package's loader, JAX and numpy (not the model code). ``path`` is a
+    timestamped export directory, or an export base directory (its newest export is used).
+
+    Example:
+      >>> model = estimator.load_saved_model("/tmp/export/1700000000")
+      >>> model({"x": x})["logits"].shape            # any batch size
+      (7, 10)
+    """
+    path = os.fspath(path)
+    if not os.path.exists(os.path.join(path, SIGNATURE_FILE)):
+        stamps = [int(d) for d in os.listdir(path) if d.isdigit()] if os.path.isdir(path) else []
+        if not stamps:
+            raise ValueError(f"{path!r} is not an export directory (no {SIGNATURE_FILE})")
+        path = os.path.join(path, str(max(stamps)))
+    return LoadedModel(path)
+
+
+__all__ = [
+    "LoadedModel",
+    "build_raw_serving_input_receiver_fn",
+    "export_from_config",
+    "export_saved_model",
+    "load_saved_model",
+]

@@ -1,0 +1,298 @@
+"""export_saved_model / load_saved_model, against predict, in a process without the model code."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import estimator
+from estimator import cli
+from estimator.export import build_raw_serving_input_receiver_fn, load_saved_model
+from estimator.outside_compilation import outside_compilation
+from tests import helpers as h
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PREDICT_BATCH = 16
+
+
+def _trained(model_dir, model_fn=h.model_fn, *, params=None, steps=8, features_dict=True):
+    x, y = h.make_data()
+    est = estimator.TPUEstimator(
+        model_fn,
+        config=h.config(model_dir),
+        params=params or {"batch_norm": True},
+        train_batch_size=16,
+        predict_batch_size=PREDICT_BATCH,
+    )
+    est.train(h.train_input_fn(x, y, features_dict=features_dict), max_steps=steps)
+    return est
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The helpers' MLP with BatchNorm (so two collections), 8 replicas, 8 steps."""
+    return _trained(tmp_path_factory.mktemp("model"))
+
+
+def _predict_all(est, x):
+    return list(est.predict(h.eval_input_fn(x, with_row=True)))
+
+
+# Runs in a fresh interpreter that cannot import the model code (models, tests, configs).
+_LOADER = textwrap.dedent("""
+    import importlib.abc, json, sys
+    import numpy as np
+
+    class Blocked(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("models", "tests", "configs"):
+                raise ImportError(f"{name} must not be needed to serve an export")
+
+    sys.meta_path.insert(0, Blocked())
+    from estimator.export import load_saved_model
+
+    paths, data, out = sys.argv[1].split(","), np.load(sys.argv[2]), sys.argv[3]
+    x, rows = data["x"], data["row"]
+    results = {}
+    for i, path in enumerate(paths):
+        model = load_saved_model(path)
+        for batch in (1, 7, int(sys.argv[4])):
+            parts = [model({"x": x[j:j + batch], "row": rows[j:j + batch]})
+                     for j in range(0, len(x), batch)]
+            for key in parts[0]:
+                results[f"{i}/{batch}/{key}"] = np.concatenate([p[key] for p in parts])
+    np.savez(out, **results)
+    import jax
+    print(json.dumps({"loaded": sorted(m for m in sys.modules
+                                       if m.split(".")[0] in ("models", "tests", "configs")),
+                      "devices": jax.device_count()}))
+""")
+
+
+def test_export_then_load_in_a_fresh_process_equals_predict(tmp_path, trained):
+    est = trained
+    x = h.make_data(n=37, seed=1)[0]
+    expected = _predict_all(est, x)
+    fn = build_raw_serving_input_receiver_fn({"x": x[:1], "row": np.zeros((1,), np.int32)})
+    paths = [
+        est.export_saved_model(str(tmp_path / "export"), fn, fold_variables=fold)
+        for fold in (False, True)
+    ]
+    np.savez(tmp_path / "data.npz", x=x, row=np.arange(len(x), dtype=np.int32))
+    script = tmp_path / "serve.py"
+    script.write_text(_LOADER)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            ",".join(paths),
+            str(tmp_path / "data.npz"),
+            str(tmp_path / "out.npz"),
+            str(PREDICT_BATCH),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report == {"loaded": [], "devices": 1}
+    got = np.load(tmp_path / "out.npz")
+    logits = np.stack([p["logits"] for p in expected])
+    for i in range(2):
+        for batch in (1, 7, PREDICT_BATCH):
+            np.testing.assert_allclose(
+                got[f"{i}/{batch}/logits"],
+                logits,
+                rtol=1e-5,
+                atol=1e-6,
+                err_msg=f"fold={bool(i)} batch={batch}",
+            )
+            np.testing.assert_array_equal(got[f"{i}/{batch}/row"], np.arange(len(x)))
+
+
+def test_directory_signature_and_variables(tmp_path, trained):
+    est = trained
+    fn = build_raw_serving_input_receiver_fn({"x": np.zeros((3, 6)), "row": np.zeros(3, np.int64)})
+    before = time.time()
+    beside = est.export_saved_model(str(tmp_path / "export"), fn)
+    folded = est.export_saved_model(str(tmp_path / "export"), fn, fold_variables=True)
+    assert beside != folded  # same second or not, every export gets its own directory
+    for path in (beside, folded):
+        assert os.path.dirname(path) == str(tmp_path / "export")
+        assert int(os.path.basename(path)) >= int(before)
+    assert sorted(os.listdir(tmp_path / "export")) == sorted(
+        os.path.basename(p) for p in (beside, folded)
+    )  # no temp- directory left
+    sig = json.loads(open(os.path.join(beside, "signature.json")).read())
+    assert sig["inputs"] == {
+        "x": {"shape": ["b", 6], "dtype": "float32"},
+        "row": {"shape": ["b"], "dtype": "int32"},
+    }
+    assert sig["outputs"] == {
+        "logits": {"shape": ["b", 3], "dtype": "float32"},
+        "row": {"shape": ["b"], "dtype": "int32"},
+    }
+    assert sig["global_step"] == 8 and sig["platforms"] == ["cpu"]
+    # The stored variables are exactly the checkpoint's.
+    stored = np.load(os.path.join(beside, "variables", "variables.npz"))
+    names = {n.removeprefix("params/"): n for n in stored.files}
+    assert sorted(names) == sorted(set(est.get_variable_names()) - {"global_step"})
+    for name, key in names.items():
+        np.testing.assert_array_equal(stored[key], est.get_variable_value(name), err_msg=name)
+    sig_folded = json.loads(open(os.path.join(folded, "signature.json")).read())
+    assert sig_folded["variables"]["stored"] == "folded"
+    assert not os.path.exists(os.path.join(folded, "variables"))
+    # Folded: the serialized program takes the two features and nothing else.
+    exported = jax.export.deserialize(
+        bytearray(open(os.path.join(folded, "saved_model.jax"), "rb").read())
+    )
+    assert [str(a) for a in exported.in_avals] == ["int32[b]", "float32[b,6]"]
+    assert len(load_saved_model(beside).exported.in_avals) == 2 + len(stored.files)
+    # A base directory loads its newest export.
+    assert load_saved_model(str(tmp_path / "export")).path == folded
+
+
+def _export_outputs_model_fn(features, labels, mode, params):
+    logits = nn.Dense(3, name="out")(features)
+    if mode == estimator.ModeKeys.PREDICT:
+        return estimator.TPUEstimatorSpec(
+            mode,
+            predictions={"logits": logits, "class_ids": logits.argmax(-1)},
+            export_outputs={"probabilities": jax.nn.softmax(logits), "scores": "logits"},
+        )
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    return estimator.TPUEstimatorSpec(mode, loss=loss, train_op=optax.sgd(0.1))
+
+
+def test_export_outputs_choose_the_outputs_and_single_array_features(tmp_path):
+    est = _trained(tmp_path / "model", _export_outputs_model_fn, params={}, features_dict=False)
+    x = h.make_data(n=10, seed=2)[0]
+    expected = np.stack([p["logits"] for p in est.predict(lambda params: iter([x]))])
+    path = est.export_saved_model(
+        str(tmp_path / "export"), lambda: jax.ShapeDtypeStruct((1, 6), jnp.float32)
+    )
+    model = load_saved_model(path)
+    assert model.input_names == ["features"]
+    assert sorted(model.output_names) == ["probabilities", "scores"]
+    out = model(x)
+    np.testing.assert_allclose(out["scores"], expected, rtol=1e-5, atol=1e-6)
+    e = np.exp(expected - expected.max(-1, keepdims=True))
+    np.testing.assert_allclose(out["probabilities"], e / e.sum(-1, keepdims=True), rtol=1e-5)
+
+
+def test_errors_name_what_is_wrong(tmp_path, trained):
+    untrained = estimator.TPUEstimator(
+        h.model_fn, config=h.config(tmp_path / "none"), train_batch_size=16, predict_batch_size=16
+    )
+    fn = build_raw_serving_input_receiver_fn({"x": np.zeros((1, 6), np.float32)})
+    with pytest.raises(ValueError, match="Could not find trained model"):
+        untrained.export_saved_model(str(tmp_path / "e"), fn)
+    with pytest.raises(ValueError, match="'x' is a scalar"):
+        build_raw_serving_input_receiver_fn({"x": np.float32(0)})
+
+    est = trained
+    model = load_saved_model(est.export_saved_model(str(tmp_path / "e"), fn))
+    with pytest.raises(
+        ValueError,
+        match=r"feature 'x' has shape \(2, 5\); the export takes "
+        r"\(batch, 6\)",
+    ):
+        model({"x": np.zeros((2, 5), np.float32)})
+    with pytest.raises(ValueError, match=r"missing \['x'\], unexpected \['y'\]"):
+        model({"y": np.zeros((2, 6), np.float32)})
+    with pytest.raises(TypeError, match="feature 'x' has dtype complex64"):
+        model(x=np.zeros((2, 6), np.complex64))
+    assert model(x=np.zeros((2, 6)))["logits"].shape == (2, 3)  # float64 is cast
+
+    def host_model_fn(features, labels, mode, params):
+        spec = h.model_fn(features, labels, mode, params)
+        if mode == estimator.ModeKeys.PREDICT:
+            outside_compilation(print, features["x"], result_shape=None)
+        return spec
+
+    est2 = estimator.TPUEstimator(
+        host_model_fn,
+        config=h.config(est.model_dir),
+        params={"batch_norm": True},
+        train_batch_size=16,
+        predict_batch_size=16,
+    )
+    with pytest.raises(RuntimeError, match="outside_compilation.*cannot be exported"):
+        est2.export_saved_model(str(tmp_path / "e"), fn)
+
+    def bad_outputs(features, labels, mode, params):
+        spec = h.model_fn(features, labels, mode, params)
+        if mode != estimator.ModeKeys.PREDICT:
+            return spec
+        return estimator.TPUEstimatorSpec(
+            mode, predictions=spec.predictions, export_outputs={"p": "probabilities"}
+        )
+
+    est3 = estimator.TPUEstimator(
+        bad_outputs,
+        config=h.config(est.model_dir),
+        params={"batch_norm": True},
+        train_batch_size=16,
+        predict_batch_size=16,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"export_outputs\['p'\] names predictions key "
+        r"'probabilities'.*\['logits', 'row'\]",
+    ):
+        est3.export_saved_model(str(tmp_path / "e"), fn)
+
+
+def test_cli_export_from_config(tmp_path, capsys):
+    model_dir, export_dir = str(tmp_path / "model"), str(tmp_path / "export")
+    common = [
+        "--config",
+        "configs/digits_mlp_small.py",
+        "--model_dir",
+        model_dir,
+        "--config.max_steps=4",
+        "--config.iterations_per_loop=2",
+    ]
+    assert cli.main(["train", *common]) == 0
+    capsys.readouterr()
+    assert cli.main(["export", *common, "--export_dir", export_dir]) == 0
+    path = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["export_dir"]
+    assert os.path.dirname(path) == export_dir
+    model = load_saved_model(path)
+    assert model.signature["inputs"] == {"features": {"shape": ["b", 64], "dtype": "float32"}}
+    assert sorted(model.output_names) == ["class_ids", "logits"]
+
+    # Reference: the job's MLP (one hidden ReLU layer) in numpy on the checkpoint's variables.
+    from estimator import jobs
+
+    config = jobs.load_config("configs/digits_mlp_small.py")
+    est, input_fns = jobs.build(config, model_dir)
+    v = {n.removeprefix("MLP_0/"): est.get_variable_value(n) for n in est.get_variable_names()}
+    assert sorted(v) == [
+        "dense_0/bias",
+        "dense_0/kernel",
+        "global_step",
+        "logits/bias",
+        "logits/kernel",
+    ]
+    assert v["global_step"] == 4 and model.signature["global_step"] == 4
+    x = np.concatenate(list(input_fns["predict"]({"batch_size": 128})))
+    hidden = np.maximum(x @ v["dense_0/kernel"] + v["dense_0/bias"], 0.0)
+    logits = hidden @ v["logits/kernel"] + v["logits/bias"]
+    out = model(x)
+    np.testing.assert_allclose(out["logits"], logits, rtol=1e-4, atol=1e-5)
+    np.testing.assert_array_equal(out["class_ids"], logits.argmax(-1))
