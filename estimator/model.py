@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -74,6 +75,16 @@ def user_params(params: Any) -> dict:
     return copy.deepcopy(params)
 
 
+@dataclasses.dataclass(frozen=True)
+class TPUContext:
+    """``params["context"]`` inside model_fn: where this replica runs (TF's TPUContext)."""
+
+    mode: str
+    num_replicas: int
+    num_hosts: int
+    num_cores_per_replica: int
+
+
 class _Root(nn.Module):
     """Calls model_fn inside a compact scope so the modules it makes become our children."""
 
@@ -104,6 +115,7 @@ class ModelFn:
         self.params = params
         self.config = config
         self.num_replicas = 1  # set by the estimator from its mesh
+        self.num_cores_per_replica = 1
 
     def check_labels(self, has_labels: bool) -> None:
         if has_labels and "labels" not in self.arg_names:
@@ -123,7 +135,9 @@ class ModelFn:
         params = copy.deepcopy(self.params)
         if batch_size is not None:
             params["batch_size"] = batch_size
-        params["context"] = None
+        params["context"] = TPUContext(
+            mode=mode, num_replicas=self.num_replicas, num_hosts=jax.process_count(),
+            num_cores_per_replica=self.num_cores_per_replica)
         return _Root(self.fn, self.arg_names, mode, params, self.config)
 
     def init(self, rngs: dict, features, labels, *, mode: str, batch_size: int | None, mask, step):

@@ -80,6 +80,7 @@ class TPUEstimator:
             self._mesh = single_device_mesh()
         self._replicas = num_replicas(self._mesh)
         self._model.num_replicas = self._replicas
+        self._model.num_cores_per_replica = self._mesh.shape["model"]
         if self._use_tpu and tpu.num_shards is not None and tpu.num_shards != self._replicas:
             raise ValueError(
                 f"TPUConfig.num_shards={tpu.num_shards} does not match the {self._replicas} "

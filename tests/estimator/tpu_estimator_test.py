@@ -185,3 +185,21 @@ def test_broadcast_and_per_host_v2_train_like_per_host_v1(tmp_path):
         results[mode] = h.params_of(est)
     # PER_HOST_V2 pulls one per-replica batch per replica: the same rows in the same order.
     h.assert_params_close(results["PER_HOST_V1"], results["PER_HOST_V2"], rtol=1e-5, atol=1e-6)
+
+
+def test_params_hold_batch_size_and_context(tmp_path):
+    x, y = h.make_data()
+    seen = {}
+
+    def model_fn(features, labels, mode, params):
+        seen[mode] = (params["batch_size"], params["context"], params["hidden"])
+        return h.model_fn(features, labels, mode, params)
+
+    est = estimator.TPUEstimator(model_fn, config=h.config(tmp_path), params={"hidden": 16},
+                                 train_batch_size=32, eval_batch_size=16)
+    est.train(h.train_input_fn(x, y), max_steps=1)
+    est.evaluate(h.eval_input_fn(x, y))
+    batch, ctx, hidden = seen["train"]
+    assert (batch, hidden) == (4, 16)
+    assert (ctx.num_replicas, ctx.num_hosts, ctx.num_cores_per_replica) == (8, 1, 1)
+    assert seen["eval"][0] == 2
