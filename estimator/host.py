@@ -154,9 +154,15 @@ def traced_value_guard(what: str):
         raise TracedValueError(_traced_message(what, "uses")) from e
 
 
-def call_host_fn(fn: Callable, tensors: Any, *, what: str = "host function") -> Any:
-    """list -> positional arguments, dict -> keywords, as TPUEstimator did."""
-    check_no_traced_values(fn, what)
+def call_host_fn(
+    fn: Callable, tensors: Any, *, what: str = "host function", check: bool = True
+) -> Any:
+    """list -> positional arguments, dict -> keywords, as TPUEstimator did.
+
+    ``check=False`` skips the captured-value check (done once per loop by the callers).
+    """
+    if check:
+        check_no_traced_values(fn, what)
     with traced_value_guard(what):
         if isinstance(tensors, Mapping):
             return fn(**tensors)
@@ -183,11 +189,12 @@ def run_host_calls(
         (``TPUConfig.host_call_every_n_steps``).
       writer: the writer ``estimator.summary`` writes to during each call (or None).
     """
+    check_no_traced_values(fn, "host_call")
     for i, step in enumerate(steps):
         if int(step) % every_n:
             continue
         with summary.record(writer, int(step)):
-            call_host_fn(fn, _index(tensors, i), what="host_call")
+            call_host_fn(fn, _index(tensors, i), what="host_call", check=False)
 
 
 # ----------------------------------------------------------------------------- eval_metrics
@@ -209,6 +216,7 @@ def batch_rows(tensors: Any, host_mask: np.ndarray, i: int) -> Any:
 
 
 RESERVED_METRIC_NAMES = ("loss", "global_step")
+_METRIC_FN = "eval_metrics' metric_fn"
 
 
 class MetricAccumulator:
@@ -223,13 +231,18 @@ class MetricAccumulator:
 
     def update_loop(self, metric_fn: Callable, tensors: Any, host_mask: np.ndarray) -> None:
         """Runs ``metric_fn`` once per eval batch of a loop that has real rows."""
+        check_no_traced_values(metric_fn, _METRIC_FN)
         for i in range(host_mask.shape[0]):
             num_examples = int(host_mask[i].sum())
             if num_examples:
-                self.update(metric_fn, batch_rows(tensors, host_mask, i), num_examples)
+                rows = batch_rows(tensors, host_mask, i)
+                self.update(metric_fn, rows, num_examples, check=False)
 
-    def update(self, metric_fn: Callable, tensors: Any, num_examples: int) -> None:
-        out = call_host_fn(metric_fn, tensors, what="eval_metrics' metric_fn")
+    def update(
+        self, metric_fn: Callable, tensors: Any, num_examples: int, *, check: bool = True
+    ) -> None:
+        """Runs ``metric_fn`` on one batch's real rows and merges what it returns."""
+        out = call_host_fn(metric_fn, tensors, what=_METRIC_FN, check=check)
         self.calls += 1
         if not isinstance(out, Mapping):
             raise TypeError(

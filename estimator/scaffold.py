@@ -3,7 +3,9 @@
 All of these run only when training starts with no checkpoint in ``model_dir``; a resumed
 run never re-initialises. They see and return every collection (``params`` and e.g.
 ``batch_stats``) as numpy, named ``module/.../leaf`` for params and
-``collection/module/.../leaf`` for other collections.
+``collection/module/.../leaf`` for other collections. ``warm_start_from`` is applied first,
+then the spec's ``Scaffold.init_fn``. Restores log (INFO, logger ``estimator``) which
+variables matched and which kept their initial values.
 
 Example:
   >>> def scaffold_fn():
@@ -42,8 +44,12 @@ class WarmStartSettings:
 
     Args:
       ckpt_to_initialize_from: a checkpoint step directory or a model_dir (its latest).
-      vars_to_warm_start: a regex matched against variable names; the default covers every
-        collection, batch statistics included (TF's default covered trainable ones only).
+      vars_to_warm_start: a regex matched (``re.match``) against variable names; the
+        default covers every collection, batch statistics included (TF's default covered
+        trainable ones only).
+
+    Example:
+      >>> settings = WarmStartSettings("/runs/previous", vars_to_warm_start=r"encoder/")
     """
 
     ckpt_to_initialize_from: str
@@ -110,7 +116,15 @@ def init_from_checkpoint(path: str, assignment_map: dict[str, str]) -> Callable[
     Args:
       path: a checkpoint step directory or a model_dir (its latest checkpoint).
       assignment_map: ``{checkpoint_name_or_prefix: current_name_or_prefix}``; prefixes end
-        with ``/``, and ``{"/": "/"}`` maps every variable to the same name.
+        with ``/``, ``"/"`` is the root (``{"/": "/"}`` maps every variable to the same
+        name), other entries name one variable; the longest matching prefix wins.
+
+    Returns:
+      ``init_fn(variables) -> variables`` for ``Scaffold``; it raises ValueError naming a
+      variable whose shape differs from the checkpoint's.
+
+    Example:
+      >>> init_fn = init_from_checkpoint("/runs/pretrain", {"encoder/": "encoder/"})
     """
     if not isinstance(assignment_map, dict) or not assignment_map:
         raise ValueError("assignment_map must be a non-empty dict {checkpoint_name: name}")
