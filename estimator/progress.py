@@ -36,11 +36,11 @@ def log_startup_summary(est, *, global_batch: int, replica_batch: int, params: A
 
 
 def progress_enabled(setting: bool | None) -> bool:
-    if os.environ.get("TPU_ESTIMATOR_NO_PROGRESS_BAR"):
-        return False
+    """``RunConfig.progress_bar`` when set; otherwise on when stderr is a terminal and
+    ``TPU_ESTIMATOR_NO_PROGRESS_BAR`` is not set."""
     if setting is not None:
         return bool(setting)
-    return sys.stderr.isatty()
+    return sys.stderr.isatty() and not os.environ.get("TPU_ESTIMATOR_NO_PROGRESS_BAR")
 
 
 class ProgressBarHook(hooks_lib.SessionRunHook):

@@ -272,3 +272,18 @@ def test_logged_loss_is_the_replica_and_loop_mean(tmp_path):
         logging.getLogger("estimator").removeHandler(logs)
     line = next(l for l in logs.lines if l.startswith("loss = "))
     assert float(line.split("=")[1].split(",")[0]) == pytest.approx(float(np.mean(got[0])))
+
+
+def test_progress_bar_when_asked(tmp_path, capsys):
+    x, y = h.make_data()
+    _est(tmp_path, ipl=2, progress_bar=True).train(h.train_input_fn(x, y), max_steps=4)
+    err = capsys.readouterr().err
+    assert "4/4" in err and "step" in err
+
+
+def test_profiler_hook_writes_a_trace_for_tensorboard(tmp_path):
+    x, y = h.make_data()
+    est = _est(tmp_path, ipl=2)
+    est.train(h.train_input_fn(x, y), max_steps=6, hooks=[hooks.ProfilerHook(steps=[4])])
+    traces = list((tmp_path / "plugins" / "profile").glob("*/*.xplane.pb"))
+    assert len(traces) == 1
