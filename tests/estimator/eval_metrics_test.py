@@ -41,7 +41,7 @@ def _estimator(model_dir, model_fn, *, use_tpu=True, pipeline=None):
     )
 
 
-def _with_metrics(metric_fn, tensors_fn):
+def _with_metrics(metric_fn, tensors_fn, *, estimator_spec=False):
     """helpers.model_fn's network, with ``eval_metrics=(metric_fn, tensors_fn(...))`` in EVAL."""
 
     def model_fn(features, labels, mode, params):
@@ -53,17 +53,18 @@ def _with_metrics(metric_fn, tensors_fn):
         per_row = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
         loss = (per_row * mask).sum() / jnp.maximum(mask.sum(), 1.0)
         tensors = tensors_fn(features, labels, logits)
-        return estimator.TPUEstimatorSpec(mode, loss=loss, eval_metrics=(metric_fn, tensors))
+        spec = estimator.TPUEstimatorSpec(mode, loss=loss, eval_metrics=(metric_fn, tensors))
+        return spec.as_estimator_spec() if estimator_spec else spec
 
     return model_fn
 
 
-def _row_recorder(calls: list):
+def _row_recorder(calls: list, **kw):
     def metric_fn(row, labels):
         calls.append(row.copy())
         return {"rows_seen": metrics.mean(np.ones_like(row, np.float32))}
 
-    return _with_metrics(metric_fn, lambda f, labels, logits: [f["row"], labels])
+    return _with_metrics(metric_fn, lambda f, labels, logits: [f["row"], labels], **kw)
 
 
 @pytest.mark.parametrize(
@@ -79,7 +80,9 @@ def _row_recorder(calls: list):
 def test_padded_rows_never_reach_metric_fn(trained, pipeline, use_tpu):
     model_dir, x, y, _ = trained
     calls = []
-    est = _estimator(model_dir, _row_recorder(calls), use_tpu=use_tpu, pipeline=pipeline)
+    # one device: the model_fn returns as_estimator_spec(), TF's single-device path
+    recorder = _row_recorder(calls, estimator_spec=not use_tpu)
+    est = _estimator(model_dir, recorder, use_tpu=use_tpu, pipeline=pipeline)
     est.evaluate(h.eval_input_fn(x, y, with_row=True))
     # once per eval batch, in input order, each real row exactly once
     assert [len(c) for c in calls] == [16] * 6 + [4]
