@@ -164,6 +164,13 @@ def test_directory_signature_and_variables(tmp_path, trained):
     assert len(load_saved_model(beside).exported.in_avals) == 2 + len(stored.files)
     # A base directory loads its newest export.
     assert load_saved_model(str(tmp_path / "export")).path == folded
+    # Lowered for several platforms, it still runs here, with the same results.
+    multi = est.export_saved_model(str(tmp_path / "multi"), fn, platforms=("cpu", "cuda", "tpu"))
+    model = load_saved_model(multi)
+    assert model.signature["platforms"] == ["cpu", "cuda", "tpu"]
+    batch = {"x": h.make_data(n=5)[0], "row": np.arange(5)}
+    for key, value in model(batch).items():
+        np.testing.assert_array_equal(value, load_saved_model(beside)(batch)[key], err_msg=key)
 
 
 def _export_outputs_model_fn(features, labels, mode, params):
@@ -296,3 +303,32 @@ def test_cli_export_from_config(tmp_path, capsys):
     out = model(x)
     np.testing.assert_allclose(out["logits"], logits, rtol=1e-4, atol=1e-5)
     np.testing.assert_array_equal(out["class_ids"], logits.argmax(-1))
+
+
+def _model_parallel_fn(features, labels, mode, params):
+    kernel = nn.initializers.lecun_normal()
+    hidden = nn.Dense(16, kernel_init=nn.with_partitioning(kernel, (None, "model")), name="hidden")(
+        features["x"]
+    )
+    logits = nn.Dense(3, kernel_init=nn.with_partitioning(kernel, ("model", None)), name="out")(
+        nn.relu(hidden)
+    )
+    if mode == estimator.ModeKeys.PREDICT:
+        return estimator.TPUEstimatorSpec(mode, predictions={"logits": logits})
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    return estimator.TPUEstimatorSpec(mode, loss=loss, train_op=optax.sgd(0.1))
+
+
+def test_model_parallel_variables_export_to_one_device(tmp_path):
+    x, y = h.make_data()
+    cfg = h.config(tmp_path / "model", tpu={"num_cores_per_replica": 2})
+    est = estimator.TPUEstimator(
+        _model_parallel_fn, config=cfg, train_batch_size=16, predict_batch_size=16
+    )
+    est.train(h.train_input_fn(x, y), max_steps=4)
+    expected = np.stack([p["logits"] for p in est.predict(h.eval_input_fn(x[:21]))])
+    fn = build_raw_serving_input_receiver_fn({"x": x[:1]})
+    path = est.export_saved_model(str(tmp_path / "export"), fn, fold_variables=True)
+    np.testing.assert_allclose(
+        load_saved_model(path)({"x": x[:21]})["logits"], expected, rtol=1e-5, atol=1e-6
+    )

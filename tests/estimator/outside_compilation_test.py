@@ -57,10 +57,12 @@ def _predict_spec_or_train(model_fn):
     return wrapped
 
 
-def test_string_example_inside_model_fn_returns_eleven_for_one(tmp_path):
+@pytest.mark.parametrize("use_tpu", [True, False])
+def test_string_example_inside_model_fn_returns_eleven_for_one(tmp_path, use_tpu):
     est = estimator.TPUEstimator(
         _predict_spec_or_train(_string_model_fn),
         config=h.config(tmp_path),
+        use_tpu=use_tpu,
         train_batch_size=16,
         predict_batch_size=16,
     )
