@@ -26,7 +26,8 @@ Result shapes. The device program must know the shape of what the host returns:
 
 Threads and calls. XLA calls the host function from several threads (one per device);
 calls are **serialised** here with one lock, so the function need not be thread-safe, but
-the order across replicas is arbitrary (per replica, steps come in order). Each call sees
+the order across replicas is arbitrary (per replica, steps come in order); it must not wait
+on a device computation (XLA is waiting for it). Each call sees
 this replica's arrays, as numpy. A host function runs once per replica per step of a
 compiled loop, and not at all while the estimator initialises variables (there the result
 is zeros). Errors raised by the host function fail the device computation
@@ -118,7 +119,7 @@ def _struct(x: Any, where: str) -> jax.ShapeDtypeStruct:
         arr = np.asarray(x)
     except Exception as e:  # noqa: BLE001
         raise TypeError(f"{where}: {x!r} is not an array or jax.ShapeDtypeStruct") from e
-    if arr.dtype == object or arr.dtype.kind in "USV":
+    if arr.dtype.kind in "OUSV":
         raise TypeError(f"{where}: {x!r} is not a numeric array (dtype {arr.dtype})")
     return jax.ShapeDtypeStruct(arr.shape, jax.dtypes.canonicalize_dtype(arr.dtype))
 
