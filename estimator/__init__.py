@@ -11,6 +11,10 @@ from . import summary
 from .config import InputPipelineConfig, RunConfig, TPUConfig
 from .context import get_global_step, padding_mask
 from .device_assignment import DeviceAssignment
+from .export import build_raw_serving_input_receiver_fn, load_saved_model
+from .host import TracedValueError
+from .inference import rewrite_for_inference, validate_inference_rewrite_for_variables
+from .outside_compilation import outside_compilation
 from .replica_context import ReduceOp, get_replica_context
 from .strategy import PerReplica, TPUStrategy, get_strategy
 from .input_context import InputContext
@@ -22,6 +26,12 @@ from .train_and_evaluate import EvalSpec, TrainSpec, train_and_evaluate
 _runtime.setup_logging()
 
 __all__ = [
+    "TracedValueError",
+    "build_raw_serving_input_receiver_fn",
+    "load_saved_model",
+    "outside_compilation",
+    "rewrite_for_inference",
+    "validate_inference_rewrite_for_variables",
     "DeviceAssignment",
     "PerReplica",
     "ReduceOp",

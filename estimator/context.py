@@ -26,6 +26,7 @@ class CallContext:
     mode: str
     mask: Any  # float32 [per-replica batch]
     global_step: Any  # int32 scalar
+    initializing: bool = False  # model_fn is traced only to create variables
 
 
 @contextlib.contextmanager

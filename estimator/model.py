@@ -124,10 +124,10 @@ class ModelFn:
             )
 
     @contextlib.contextmanager
-    def _scope(self, mode: str, mask, step):
+    def _scope(self, mode: str, mask, step, *, initializing: bool = False):
         """model_fn runs as one replica over the mesh's ``"data"`` axis: its padding mask and
         step are current, and ``get_replica_context()`` gives the cross-replica helpers."""
-        with context.calling_model_fn(context.CallContext(mode, mask, step)):
+        with context.calling_model_fn(context.CallContext(mode, mask, step, initializing)):
             with replica_scope(self.num_replicas, axis_name=DATA):
                 yield
 
@@ -143,7 +143,7 @@ class ModelFn:
     def init(self, rngs: dict, features, labels, *, mode: str, batch_size: int | None, mask, step):
         """Creates every variable by tracing model_fn once; returns (variables, spec)."""
         root = self._root(mode, batch_size)
-        with self._scope(mode, mask, step):
+        with self._scope(mode, mask, step, initializing=True):
             spec, variables = root.init_with_output(rngs, features, labels)
         return variables, as_tpu_spec(spec, mode)
 

@@ -97,15 +97,9 @@ def _axis_name() -> str | None:
 
 
 def _initializing() -> bool:
-    """Whether Flax is creating variables (the estimator's init program): no host calls then."""
-    try:
-        from flax.linen import module as flax_module
-
-        stack = flax_module._context.module_stack
-    except (ImportError, AttributeError):
-        return False
-    top = stack[-1] if stack else None
-    return top is not None and top.is_initializing()
+    """Whether the estimator traces model_fn only to create variables: no host calls then."""
+    ctx = context.current()
+    return ctx is not None and ctx.initializing
 
 
 def _is_array(x: Any) -> bool:
