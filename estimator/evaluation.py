@@ -42,6 +42,8 @@ def _loops(est, input_fn, mode: str, *, steps: int | None, hooks, checkpoint_pat
         variables, global_step = restore_variables(est, mode, chunk, batch, checkpoint_path)
         loop = est._loop(mode, batch)
         spec = est._holder[mode]
+        if mode == ModeKeys.PREDICT:
+            _check_predictions(spec.predictions, batch)
         spec_hooks = spec.evaluation_hooks if mode == ModeKeys.EVAL else spec.prediction_hooks
         runner = HookRunner(list(spec_hooks) + list(hooks or ()),
                             Session(mode=mode, model_dir=est.model_dir, global_step=global_step),
@@ -66,6 +68,19 @@ def _loops(est, input_fn, mode: str, *, steps: int | None, hooks, checkpoint_pat
         runner.end()
     finally:
         prefetch.close()
+
+
+def _check_predictions(predictions: Any, rows: int) -> None:
+    """Every prediction needs one row per example (a leading batch dimension of ``rows``)."""
+    for path, value in jax.tree_util.tree_flatten_with_path(predictions)[0]:
+        shape = tuple(getattr(value, "shape", ()))
+        if not shape or shape[0] != rows:
+            name = jax.tree_util.keystr(path) or "predictions"
+            raise ValueError(
+                f"prediction {name} has shape {shape}; predictions need a leading batch "
+                f"dimension of {rows} (the rows model_fn was given) so they can be split "
+                "into examples"
+            )
 
 
 def _dedupe_broadcast(est, host_mask: np.ndarray) -> np.ndarray:

@@ -141,6 +141,11 @@ def signature_of(tree: Any) -> Signature:
             raise ValueError(
                 f"input batch entry {_name(path)} is a scalar; every entry needs a batch dimension"
             )
+        if x.dtype.kind not in "biufc":
+            raise TypeError(
+                f"input batch entry {_name(path)} has dtype {x.dtype}; batches must hold numeric "
+                "or bool arrays (turn strings into ids in input_fn)"
+            )
     return Signature(
         treedef,
         tuple(_name(p) for p, _ in leaves_with_path),
@@ -245,6 +250,7 @@ class Pipeline:
         self.pulled = 0
         self.stateful = all(callable(getattr(iterator, m, None))
                             for m in ("get_state", "set_state"))
+        self.positioned = False  # moved past earlier batches (skip or set_state)
 
     def get_state(self) -> Any:
         """The iterator's position as JSON (see ``encode_state``); None if it has none."""
@@ -253,6 +259,7 @@ class Pipeline:
     def set_state(self, state: Any) -> None:
         """Moves the iterator to a position ``get_state`` returned (before any pull)."""
         self.it.set_state(decode_state(state))
+        self.positioned = True
 
     def _pull(self) -> tuple[list, int] | None:
         try:
@@ -261,6 +268,12 @@ class Pipeline:
             self.exhausted = True
             return None
         self.pulled += 1
+        if isinstance(element, (str, bytes)):
+            raise TypeError(
+                f"input_fn's iterable yielded {element!r}, not a batch; it must yield "
+                "(features, labels) or features of arrays (a dict of whole arrays iterates "
+                "over its keys: yield batches instead)"
+            )
         features, labels = split_element(element)
         if self.sig is None:
             self.has_labels = labels is not None
@@ -274,6 +287,7 @@ class Pipeline:
             if self._pull() is None:
                 break
             done += 1
+        self.positioned = self.positioned or done > 0
         return done
 
     def next_step(self) -> tuple[list, np.ndarray] | None:
@@ -284,6 +298,14 @@ class Pipeline:
             if got is None:
                 break
             leaves, n = got
+            if n < self.rows_per_pull and not self.pad and not self.positioned and (
+                self.pulled <= self.pulls_per_step
+            ):
+                raise ValueError(
+                    f"the first training batch has {n} rows, expected params['batch_size'] = "
+                    f"{self.rows_per_pull} (entry {self.sig.paths[0]}); input_fn must batch "
+                    "with the batch size it is given"
+                )
             if n < self.rows_per_pull and not self.pad:
                 log.warning(
                     "Dropping a final partial training batch of %d rows (batch size %d).",

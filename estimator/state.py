@@ -44,6 +44,24 @@ def _init_args(est, chunk: Chunk):
     return rng, jnp.int32(0), features, labels
 
 
+def _trace(est, mode: str, chunk: Chunk, fn, *args):
+    """Calls ``fn`` (which traces model_fn); a failure with ``labels=None`` in TRAIN/EVAL is
+    re-raised naming the likely culprit: an input_fn that returned no labels."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        if chunk.labels is not None or mode == ModeKeys.PREDICT:
+            raise
+        if "labels" not in est._model.arg_names:
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ValueError(
+            f"model_fn failed in mode {mode!r} with labels=None ({type(e).__name__}: {first}). "
+            "input_fn returned features only; return (features, labels) batches, or do not "
+            f"use labels in mode {mode!r}"
+        ) from e
+
+
 def _sharded(est, boxed: dict) -> tuple[dict, Any]:
     """Unboxes Flax partitioning metadata; returns (variables, NamedShardings) and keeps the
     PartitionSpecs on the estimator for the loops (``nn.with_partitioning`` over "model")."""
@@ -57,7 +75,8 @@ def _sharded(est, boxed: dict) -> tuple[dict, Any]:
 def abstract_variables(est, mode: str, chunk: Chunk, batch_size: int) -> dict:
     """Shapes of every variable, by tracing model_fn in ``mode`` (nothing is computed)."""
     init = est._loop(f"init_{mode}", batch_size)
-    variables, shardings = _sharded(est, jax.eval_shape(init, *_init_args(est, chunk)))
+    variables, shardings = _sharded(
+        est, _trace(est, mode, chunk, jax.eval_shape, init, *_init_args(est, chunk)))
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         variables, shardings)
 
@@ -96,7 +115,7 @@ def fresh_train_state(est, chunk: Chunk, batch_size: int, make_init_fn=None) -> 
     model_fn was traced, so the spec's scaffold_fn is known) may then replace variables."""
     init = est._loop("init_train", batch_size)
     args = _init_args(est, chunk)
-    variables, shardings = _sharded(est, init(*args))
+    variables, shardings = _sharded(est, _trace(est, ModeKeys.TRAIN, chunk, init, *args))
     variables = jax.device_put(variables, shardings)
     init_fn = make_init_fn() if make_init_fn is not None else None
     if init_fn is not None:

@@ -65,6 +65,8 @@ class TPUEstimator:
         predict_batch_size: int | None = None,
         warm_start_from: Any = None,
     ):
+        if not callable(model_fn):
+            raise TypeError(f"model_fn must be callable, got {type(model_fn).__name__}")
         config = config if config is not None else RunConfig()
         if not isinstance(config, RunConfig):
             raise TypeError(f"config must be an estimator.RunConfig, got {type(config).__name__}")
@@ -264,6 +266,7 @@ class TPUEstimator:
           NanLossDuringTrainingError: a NaN or Inf loss (no checkpoint of it is written).
         """
         _check_steps(steps, max_steps)
+        _check_hooks(hooks)
         run_train_loops(self, input_fn, hooks=hooks, steps=steps, max_steps=max_steps)
         return self
 
@@ -284,6 +287,7 @@ class TPUEstimator:
         """
         if steps is not None and (not isinstance(steps, int) or steps <= 0):
             raise ValueError(f"Must specify steps > 0, given: {steps}")
+        _check_hooks(hooks)
         return run_eval_loops(self, input_fn, ModeKeys.EVAL, steps=steps, hooks=hooks,
                               checkpoint_path=checkpoint_path, name=name)
 
@@ -305,6 +309,12 @@ class TPUEstimator:
 
         if isinstance(predict_keys, str):
             predict_keys = [predict_keys]
+        if predict_keys is not None and (
+            not isinstance(predict_keys, (list, tuple))
+            or not all(isinstance(k, str) for k in predict_keys)
+        ):
+            raise TypeError(f"predict_keys must be a str or a list of str, got {predict_keys!r}")
+        _check_hooks(hooks)
         return run_predict_loops(self, input_fn, predict_keys=predict_keys, hooks=hooks,
                                  checkpoint_path=checkpoint_path,
                                  yield_single_examples=yield_single_examples)
@@ -371,6 +381,20 @@ def _model_dir(model_dir: str | None, config: RunConfig) -> str:
         chosen = tempfile.mkdtemp(prefix="tpu_estimator_")
         log.warning("Using temporary folder as model directory: %s", chosen)
     return str(chosen)
+
+
+def _check_hooks(hooks) -> None:
+    """``hooks`` must be a list of SessionRunHook; a single hook is a common slip."""
+    from hooks import SessionRunHook
+
+    if isinstance(hooks, SessionRunHook):
+        raise TypeError(f"hooks must be a list of SessionRunHook, got a single "
+                        f"{type(hooks).__name__}; pass [hook]")
+    if hooks is not None and (isinstance(hooks, (str, bytes)) or not hasattr(hooks, "__iter__")):
+        raise TypeError(f"hooks must be a list of SessionRunHook, got {type(hooks).__name__}")
+    for hook in hooks if isinstance(hooks, (list, tuple)) else ():  # fail before any work
+        if not isinstance(hook, SessionRunHook):
+            raise TypeError(f"hooks must be SessionRunHook instances, given: {hook!r}")
 
 
 def _check_steps(steps, max_steps) -> None:

@@ -64,9 +64,12 @@ class _Saver:
             self.save(step)
 
 
-def _default_hooks(est) -> list:
+def _default_hooks(est, given=()) -> list:
+    """NanTensorHook (unless non-finite steps are skipped, or the user passed their own
+    NanTensorHook, e.g. ``fail_on_nan_loss=False``) and the step counter."""
     every = est.config.log_step_count_steps or 0
-    out = [] if est.config.skip_nonfinite_steps else [hooks_lib.NanTensorHook("loss")]
+    own_nan = any(isinstance(h, hooks_lib.NanTensorHook) for h in given)
+    out = [] if est.config.skip_nonfinite_steps or own_nan else [hooks_lib.NanTensorHook("loss")]
     if every:  # logs speed; the summaries come every save_summary_steps (TrainSummaries)
         out.append(hooks_lib.StepCounterHook(every_n_steps=every))
     return out
@@ -184,8 +187,21 @@ def run_train_loops(est, input_fn, *, hooks, steps, max_steps) -> None:
         _run(est, ckpts, started, hooks, target_fn, watcher)
 
 
+def _check_loss_dtype(est) -> None:
+    """An integer loss has no gradient: training would silently never move."""
+    dtype = getattr(est._holder[ModeKeys.TRAIN].loss, "dtype", None)
+    if dtype is not None and not jax.numpy.issubdtype(dtype, jax.numpy.floating):
+        raise TypeError(f"loss must be a floating-point scalar to be differentiated, "
+                        f"got dtype {dtype}; cast it in model_fn")
+
+
 def _run(est, ckpts, started, hooks, target_fn, watcher) -> None:
     state, pulls, first, prefetch, model_batch = started
+    try:
+        _check_loss_dtype(est)
+    except TypeError:
+        prefetch.close()
+        raise
     step = int(jax.device_get(state.step))
     global_batch = est._batch[ModeKeys.TRAIN] or model_batch
     progress.log_startup_summary(est, global_batch=global_batch, replica_batch=model_batch,
@@ -210,7 +226,8 @@ def _train(est, ckpts, state, position, first, prefetch: Prefetcher, model_batch
     global_batch = est._batch[ModeKeys.TRAIN] or model_batch
     session = Session(mode=ModeKeys.TRAIN, model_dir=est.model_dir, global_step=step,
                       save=saver.save)
-    all_hooks = _default_hooks(est) + list(spec.training_hooks) + list(user_hooks or ())
+    given = list(spec.training_hooks) + list(user_hooks or ())
+    all_hooks = _default_hooks(est, given) + given
     runner = HookRunner(all_hooks, session, examples_per_step=global_batch)
     loop = est._loop(ModeKeys.TRAIN, model_batch)
     worker = HostWorker()
