@@ -28,6 +28,7 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -173,6 +174,16 @@ class Checkpoints:
             )
         return meta
 
+    def _host_template(self, step: int, item: str = "variables") -> Any:
+        """numpy leaves shaped like the saved arrays: Orbax then restores onto the host."""
+        try:
+            tree = self._handler.metadata(epath.Path(self.path(step)) / item).tree
+        except Exception as e:  # noqa: BLE001 - Orbax/TensorStore raise many types
+            raise CheckpointError(
+                f"checkpoint {self.path(step)}: {item} metadata is unreadable ({_short(e)})"
+            ) from e
+        return jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), tree)
+
     def _saved_shapes(self, step: int, item: str) -> dict[str, tuple]:
         try:
             tree = self._handler.metadata(epath.Path(self.path(step)) / item).tree
@@ -203,7 +214,8 @@ class Checkpoints:
     def restore(self, step: int, *, variables: Any = None, train: Any = None) -> dict:
         """Restores one step into the given templates (arrays or shape/dtype/sharding structs).
 
-        With ``variables=None`` the saved arrays are restored as they were written.
+        With ``variables=None`` the saved arrays are restored as numpy arrays on the host,
+        whatever devices or processes wrote them (a pod's checkpoint reads on a laptop).
 
         Raises:
           CheckpointMismatchError: the step holds a different model's variables.
@@ -214,7 +226,7 @@ class Checkpoints:
             self.check_matches(step, variables=variables, train=train)
         args = {
             "variables": ocp.args.StandardRestore(
-                None if variables is None else _abstract(variables)
+                self._host_template(step) if variables is None else _abstract(variables)
             )
         }
         if train is not None:

@@ -81,10 +81,10 @@ def run(args: argparse.Namespace, overrides: dict[str, str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     if args.num_processes > 1:
-        from .launch import launch_local
+        from .launch import launch_local, strip_num_processes
 
-        return launch_local(args.num_processes, [a for a in (argv or sys.argv[1:])
-                                                 if not a.startswith("--num_processes")])
+        return launch_local(args.num_processes,
+                            strip_num_processes(sys.argv[1:] if argv is None else argv))
     results = run(args, overrides)
     print(json.dumps(_json_ready(results), sort_keys=True, default=str))
     return 0

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import summary
+from . import multihost, summary
 from .hook_runner import HookRunner, Session
 from .host import HostWorker, MetricAccumulator
 from .runtime import seed_key_data
@@ -19,8 +19,12 @@ from .state import restore_variables
 log = logging.getLogger("estimator")
 
 
-def _loops(est, input_fn, mode: str, *, steps: int | None, hooks, checkpoint_path) -> Iterator:
-    """Yields ``(chunk, outputs, global_step)`` per device loop, hooks run around each."""
+def _loops(est, input_fn, mode: str, *, steps: int | None, hooks, checkpoint_path,
+           fetch=multihost.to_host) -> Iterator:
+    """Yields ``(chunk, outputs, global_step)`` per device loop, hooks run around each.
+
+    ``fetch`` copies the loop's outputs to the host (default: every row, on every process).
+    """
     pipe = est._pipeline(input_fn, mode, pad=True)
     ipl = est.config.tpu_config.iterations_per_loop
     left = [steps]
@@ -56,7 +60,7 @@ def _loops(est, input_fn, mode: str, *, steps: int | None, hooks, checkpoint_pat
         while chunk is not None:
             counters = np.arange(done + 1, done + chunk.steps + 1)
             runner.before_run(counters)
-            outs = jax.device_get(
+            outs = fetch(
                 loop(variables, step_arr, rng, chunk.features, chunk.labels, chunk.mask)
             )
             done += chunk.steps
@@ -108,12 +112,17 @@ def run_eval_loops(est, input_fn, mode: str, *, steps, hooks, checkpoint_path, n
             loss_sum += float(np.where(per_replica > 0, losses * per_replica, 0.0).sum())
             count += int(mask.sum())
             metric_fn = est._holder[mode].eval_metrics
-            if metric_fn is not None:  # once per eval batch, padded rows removed
+            if metric_fn is not None and multihost.is_process_0():  # once per eval batch
                 worker.submit(lambda f=metric_fn[0], t=tensors, m=mask: acc.update_loop(f, t, m))
-        worker.join()
+
+        def metrics() -> dict[str, Any]:
+            worker.join()
+            return acc.compute()
+
+        # metric_fn runs on process 0 only; every process returns its results.
+        results: dict[str, Any] = multihost.run_on_process_0(metrics, "eval_metrics' metric_fn")
     finally:
         worker.close()
-    results: dict[str, Any] = acc.compute()
     results["loss"] = loss_sum / count if count else 0.0
     results["global_step"] = global_step
     _write_results(est, results, name)

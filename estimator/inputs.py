@@ -19,12 +19,11 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
+from . import multihost
 from .config import InputPipelineConfig
 from .input_context import InputContext
-from .mesh import DATA
 
 log = logging.getLogger("estimator")
 
@@ -351,9 +350,9 @@ def read_chunk(pipe: Pipeline, n: int, *, fill: bool, mesh: Mesh) -> Chunk | Non
     leaves = [np.stack(xs) for xs in zip(*(s[0] for s in steps))]
     host_mask = np.stack([s[1] for s in steps])
     features, labels = jax.tree.unflatten(pipe.sig.treedef, leaves)
-    sharding = NamedSharding(mesh, P(None, DATA))
-    features, labels, mask = jax.device_put(
-        (features, labels, host_mask.astype(np.float32)), sharding
+    # Each process holds only its own rows; they become global arrays sharded over "data".
+    features, labels, mask = multihost.global_batch(
+        (features, labels, host_mask.astype(np.float32)), mesh
     )
     return Chunk(features, labels, mask, host_mask, real, pipe.pulled - start, pipe.get_state())
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import ml_collections
 
+from .cluster import from_environment
 from .config import RunConfig, TPUConfig
 from .tpu_estimator import TPUEstimator
 
@@ -80,6 +81,7 @@ def run_config(config: ml_collections.ConfigDict, model_dir: str | None) -> RunC
         log_step_count_steps=config.get("log_step_count_steps", 100),
         tf_random_seed=config.get("seed", 0),
         compilation_cache_dir=config.get("compilation_cache_dir", None) or None,
+        cluster=from_environment(),  # TF_CONFIG or a TPU pod / Slurm job: join it
     )
 
 

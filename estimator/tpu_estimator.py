@@ -23,8 +23,8 @@ import jax
 import numpy as np
 
 from . import checkpoint as ckpt_lib
-from . import partitioning
-from . import runtime
+from . import multihost, partitioning, runtime
+from .cluster import start_cluster
 from .config import InputPipelineConfig, RunConfig
 from .evaluation import run_eval_loops
 from .input_context import InputContext
@@ -70,6 +70,7 @@ class TPUEstimator:
         config = config if config is not None else RunConfig()
         if not isinstance(config, RunConfig):
             raise TypeError(f"config must be an estimator.RunConfig, got {type(config).__name__}")
+        start_cluster(config.cluster, model_dir=model_dir or config.model_dir)  # before devices
         self._config = config.replace(model_dir=_model_dir(model_dir, config))
         runtime.setup(self._config)
         self._params = user_params(params)
@@ -80,6 +81,7 @@ class TPUEstimator:
             self._mesh = make_mesh(num_cores_per_replica=tpu.num_cores_per_replica)
         else:
             self._mesh = single_device_mesh()
+        multihost.check_mesh(self._mesh)
         self._replicas = num_replicas(self._mesh)
         self._model.num_replicas = self._replicas
         self._model.num_cores_per_replica = self._mesh.shape["model"]
@@ -177,8 +179,11 @@ class TPUEstimator:
             input_context=InputContext(jax.process_count(), jax.process_index(), self._replicas),
         )
         mode_cfg = self._config.tpu_config.per_host_input_for_training
+        local = multihost.local_replicas(self._mesh)  # this process feeds only its replicas
+        if global_batch is not None and mode_cfg != InputPipelineConfig.BROADCAST:
+            global_batch = global_batch * local // self._replicas
         return Pipeline(it, mode_cfg=mode_cfg, global_batch=global_batch,
-                        num_replicas=self._replicas, pad=pad)
+                        num_replicas=local, pad=pad)
 
     def _prefetch(self, pipe: Pipeline, schedule: Callable[[], int], *, fill: bool,
                   skip: int = 0) -> Prefetcher:
@@ -190,7 +195,7 @@ class TPUEstimator:
             n = schedule()
             return read_chunk(pipe, n, fill=fill, mesh=self._mesh) if n > 0 else None
 
-        return Prefetcher(produce)
+        return multihost.synced(Prefetcher(produce), pipe, fill=fill, mesh=self._mesh)
 
     # ----------------------------------------------------------------- compiled loops
     def _loop(self, kind: str, batch_size: int):
@@ -298,8 +303,15 @@ class TPUEstimator:
         hooks: Sequence | None = None,
         checkpoint_path: str | None = None,
         yield_single_examples: bool = True,
+        *,
+        gather_to_process_0: bool = False,
     ) -> Iterator:
         """Yields predictions for every example in input order (padding removed).
+
+        In a many-process job each process yields the predictions of its own input's
+        examples; ``gather_to_process_0=True`` makes process 0 yield every process's (in
+        global batch order) and the others none. Either way every process must consume the
+        generator to the end: each loop runs on all processes together.
 
         Yields:
           One dict per example (or the array itself when ``predictions`` is an array); one per
@@ -317,7 +329,8 @@ class TPUEstimator:
         _check_hooks(hooks)
         return run_predict_loops(self, input_fn, predict_keys=predict_keys, hooks=hooks,
                                  checkpoint_path=checkpoint_path,
-                                 yield_single_examples=yield_single_examples)
+                                 yield_single_examples=yield_single_examples,
+                                 gather=gather_to_process_0)
 
     def export_saved_model(
         self,

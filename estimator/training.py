@@ -16,7 +16,7 @@ import numpy as np
 
 import hooks as hooks_lib
 
-from . import progress, summary
+from . import multihost, progress, summary
 from .hook_runner import HookRunner, Session
 from .host import HostWorker, run_host_calls
 from .inputs import Prefetcher
@@ -53,13 +53,19 @@ class _Saver:
     def meta(self, step: int) -> dict:
         """The JSON meta of a checkpoint: the step and the input position after it."""
         out = {"global_step": step, "input_pulls": self.position["input_pulls"]}
-        if self.position.get("input_state") is not None:
+        if multihost.is_multiprocess():  # one iterator per process: keep every position
+            states = multihost.gather_objects(self.position.get("input_state"))
+            if any(s is not None for s in states):
+                out["input_states"] = states
+        elif self.position.get("input_state") is not None:
             out["input_state"] = self.position["input_state"]
         return out
 
     def maybe_save(self, step: int) -> None:
         due_steps = self.every_steps and step - (self.last_step or 0) >= self.every_steps
         due_secs = self.every_secs and time.monotonic() - self.last_time >= self.every_secs
+        if due_secs:  # clocks differ between processes: save when any process is due
+            (due_secs,) = multihost.any_of(due_secs)
         if due_steps or due_secs:
             self.save(step)
 
@@ -94,8 +100,11 @@ def _open_input(est, input_fn, meta: dict, target_fn):
     resume = est.config.resume_input_position
     pipe = est._pipeline(input_fn, ModeKeys.TRAIN, pad=False)
     skip = int(meta.get("input_pulls", 0)) if resume else 0
-    if resume and pipe.stateful and meta.get("input_state") is not None:
-        pipe.set_state(meta["input_state"])
+    saved = meta.get("input_state")
+    if meta.get("input_states") is not None:  # a many-process run: this process's position
+        saved = meta["input_states"][jax.process_index()]
+    if resume and pipe.stateful and saved is not None:
+        pipe.set_state(saved)
         skip = 0
     begin = int(meta.get("global_step", 0))
     planned = [begin]
@@ -237,7 +246,7 @@ def _train(est, ckpts, state, position, first, prefetch: Prefetcher, model_batch
                                        examples_per_step=global_batch)
     runner.begin()
     runner.after_create_session()
-    chunk = first
+    chunk, preempted = first, False
     est._live = None  # the state is donated to the loop from here on
     est._stopped_by_hook = False
     try:
@@ -246,13 +255,13 @@ def _train(est, ckpts, state, position, first, prefetch: Prefetcher, model_batch
             runner.before_run(steps)
             state, (losses, host) = loop(state_ref[0], chunk.features, chunk.labels)
             state_ref[0] = state
-            losses, host = jax.device_get((losses, host))
+            losses, host = multihost.to_host((losses, host))  # global rows on every process
             step += chunk.steps
             position["input_pulls"] += chunk.pulls
             position["input_state"] = chunk.input_state
             session.global_step = step
             host_call = est._holder[ModeKeys.TRAIN].host_call
-            if host_call is not None:
+            if host_call is not None and multihost.is_process_0():  # once, on process 0
                 worker.submit(lambda f=host_call[0], h=host, s=steps:
                               run_host_calls(f, h, s, every_n, writer))
             nonfinite = (int(jax.device_get(state.nonfinite))
@@ -263,16 +272,17 @@ def _train(est, ckpts, state, position, first, prefetch: Prefetcher, model_batch
             if isinstance(host, dict):
                 values.update(host)
             stop = runner.after_run(values, steps)
-            worker.check()
+            multihost.check_worker(worker, "host_call")
             saver.maybe_save(step)
+            stop, preempted = multihost.any_of(stop, watcher.requested)  # all stop together
             if stop:
                 est._stopped_by_hook = True
                 break
-            if watcher.requested:  # SIGTERM: checkpoint this step below, then exit
+            if preempted:  # SIGTERM: checkpoint this step below, then exit
                 break
             chunk = next(prefetch, None)
         runner.end()
-        worker.join()
+        multihost.check_worker(worker, "host_call", join=True)
         saver.save(step)
         est._live = (step, state_ref[0], saver.meta(step))
         log.info("Loss for final step: %s.", float(losses[-1]))
@@ -282,5 +292,5 @@ def _train(est, ckpts, state, position, first, prefetch: Prefetcher, model_batch
         ckpts.wait()
         # Closing (not flush) waits for tensorboardX's queue: summaries are on disk on return.
         summary.close(est.model_dir)
-    if watcher.requested:  # the checkpoint of ``step`` is on disk: exit as TF's handler did
+    if preempted:  # the checkpoint of ``step`` is on disk: exit as TF's handler did
         raise Preempted(step, ckpts.path(step))

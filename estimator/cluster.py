@@ -1,0 +1,372 @@
+"""TPUClusterResolver: where the processes of a many-host job are, and starting JAX's runtime.
+
+The engine is JAX's own multi-process runtime (``jax.distributed``): every host runs the same
+program, and ``connect()`` joins it to the job before JAX touches any device. Where the
+coordinator is, how many processes there are and which one this is come from, in order:
+
+1. the arguments (``coordinator_address``, ``num_processes``, ``process_id``);
+2. a ``TF_CONFIG``-style JSON environment variable, as TensorFlow's multi-worker jobs set it::
+
+     {"cluster": {"worker": ["host0:2222", "host1:2222"]}, "task": {"type": "worker", "index": 1}}
+
+   The first worker (or the ``chief``, when the cluster lists one) is process 0 and hosts the
+   coordinator at its address; ``tpu-estimator --num_processes N`` sets this for its children;
+3. JAX's own environment detection (Cloud TPU pods and GKE TPU slices, Slurm, Open MPI,
+   Kubernetes): ``jax.distributed.initialize()`` with no arguments. Naming a TPU
+   (``tpu="my-pod"``) asks for this explicitly.
+
+With none of these the job is one process and ``connect()`` does nothing. JAX 0.10 uses gloo
+collectives on CPU by default, so processes on one machine form one mesh of CPU devices (that
+is how the many-host code is tested).
+
+Example:
+  >>> resolver = estimator.TPUClusterResolver()         # TF_CONFIG, or a TPU pod / Slurm job
+  >>> config = estimator.RunConfig(model_dir="gs://bucket/run", cluster=resolver)
+  >>> est = estimator.TPUEstimator(model_fn, config=config, train_batch_size=1024)
+
+A process that dies makes the others fail within ``heartbeat_timeout`` seconds: JAX's
+coordination service notices the missing heartbeats and ends every other process with
+"Terminating process because the JAX distributed service detected fatal errors".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+log = logging.getLogger("estimator")
+
+TF_CONFIG = "TF_CONFIG"
+# Environment overrides for the runtime's timeouts (the local launcher sets them).
+TIMEOUT_ENV = {
+    "initialization_timeout": "TPU_ESTIMATOR_INIT_TIMEOUT",
+    "heartbeat_timeout": "TPU_ESTIMATOR_HEARTBEAT_TIMEOUT",
+    "shutdown_timeout": "TPU_ESTIMATOR_SHUTDOWN_TIMEOUT",
+}
+_DEFAULT_TIMEOUTS = {"initialization_timeout": 300, "heartbeat_timeout": 60,
+                     "shutdown_timeout": 60}
+_LOCAL_TPU_NAMES = ("", "local")
+_connected: dict[str, Any] = {}  # what this process connected with (once per process)
+
+
+class ClusterConfigError(ValueError):
+    """The cluster description (arguments or TF_CONFIG) is inconsistent or malformed."""
+
+
+def _int_or_none(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    return value
+
+
+def parse_tf_config(text: str, *, variable: str = TF_CONFIG) -> dict:
+    """``{"workers": [...], "process_id": i}`` from a TF_CONFIG JSON string.
+
+    The processes are the ``chief`` (if listed) followed by the ``worker`` list; the first is
+    process 0 and its address is the coordinator's.
+
+    Raises:
+      ClusterConfigError: not JSON, no worker list, a task type other than chief/worker, or
+        an index outside the list (the message names the variable and the key).
+    """
+    try:
+        spec = json.loads(text)
+    except ValueError as e:
+        raise ClusterConfigError(f"{variable} is not valid JSON ({e}): {text[:200]!r}") from None
+    if not isinstance(spec, dict):
+        raise ClusterConfigError(f"{variable} must be a JSON object, got {text[:200]!r}")
+    cluster = spec.get("cluster") or {}
+    if not isinstance(cluster, dict):
+        raise ClusterConfigError(f"{variable}['cluster'] must be an object, got {cluster!r}")
+    unsupported = sorted(set(cluster) - {"chief", "worker"})
+    if unsupported:
+        raise ClusterConfigError(
+            f"{variable}['cluster'] lists {unsupported}; only 'chief' and 'worker' tasks exist "
+            "in a JAX job (every process trains)"
+        )
+    chief = list(cluster.get("chief") or [])
+    workers = chief + list(cluster.get("worker") or [])
+    if not workers or not all(isinstance(w, str) and ":" in w for w in workers):
+        raise ClusterConfigError(
+            f"{variable}['cluster']['worker'] must be a non-empty list of 'host:port', got "
+            f"{cluster.get('worker')!r}"
+        )
+    task = spec.get("task") or {}
+    kind, index = task.get("type", "worker"), task.get("index", 0)
+    if kind not in ("chief", "worker"):
+        raise ClusterConfigError(f"{variable}['task']['type']={kind!r}; expected 'worker'")
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise ClusterConfigError(f"{variable}['task']['index'] must be an int, got {index!r}")
+    offset = 0 if kind == "chief" else len(chief)
+    size = len(chief) if kind == "chief" else len(workers) - len(chief)
+    if not 0 <= index < size:
+        raise ClusterConfigError(
+            f"{variable}['task']['index']={index} is outside the {size} {kind} task(s)"
+        )
+    return {"workers": workers, "chief": bool(chief), "process_id": offset + index}
+
+
+def jax_cluster_environment() -> str | None:
+    """The name of the cluster JAX's own detection finds here (TPU pod, Slurm, ...), or None.
+
+    Uses JAX's ``ClusterEnv`` registry; opt-in methods (mpi4py) are not probed.
+    """
+    try:
+        from jax._src import clusters
+    except ImportError:  # a JAX without the registry: no automatic detection
+        return None
+    for env in clusters.ClusterEnv._cluster_types:
+        if env.opt_in_only_method:
+            continue
+        try:
+            if env.is_env_present():
+                return env.__name__
+        except Exception as e:  # noqa: BLE001 - a broken probe must not stop the job
+            log.debug("Cluster detection %s failed: %s", env.__name__, e)
+    return None
+
+
+class TPUClusterResolver:
+    """The processes of a job and how to join them (TF's ``TPUClusterResolver``).
+
+    Args:
+      tpu: a Cloud TPU name (or any non-empty name other than ``"local"``): the job runs on
+        every host of that TPU slice, found by JAX's TPU detection. ``None``/``"local"``: use
+        the other arguments, ``TF_CONFIG``, or JAX's detection of a Slurm/MPI/TPU job.
+      coordinator_address: ``host:port`` of process 0, where JAX's coordination service runs.
+      num_processes: processes in the job.
+      process_id: this process's index, ``0 <= process_id < num_processes``.
+      initialization_timeout: seconds to wait for every process to join (default 300).
+      heartbeat_timeout: seconds without heartbeats after which a process counts as dead and
+        every other process is ended (default 60).
+      shutdown_timeout: seconds a finishing process waits for the others at exit (default
+        60).
+      env_var: the TF_CONFIG-style variable to read.
+
+    Each timeout can also be set by an environment variable (``TPU_ESTIMATOR_INIT_TIMEOUT``,
+    ``TPU_ESTIMATOR_HEARTBEAT_TIMEOUT``, ``TPU_ESTIMATOR_SHUTDOWN_TIMEOUT``) when the
+    argument is not given.
+
+    Raises:
+      ClusterConfigError: TF_CONFIG is malformed or contradicts the arguments.
+
+    Example:
+      >>> r = TPUClusterResolver(coordinator_address="10.0.0.1:1234", num_processes=2,
+      ...                        process_id=1)
+      >>> r.cluster_spec(), r.num_processes, r.process_id
+      ({'worker': ['10.0.0.1:1234']}, 2, 1)
+      >>> r.connect()        # once per process, before JAX uses any device
+    """
+
+    def __init__(
+        self,
+        tpu: str | None = None,
+        coordinator_address: str | None = None,
+        num_processes: int | None = None,
+        process_id: int | None = None,
+        *,
+        initialization_timeout: int | None = None,
+        heartbeat_timeout: int | None = None,
+        shutdown_timeout: int | None = None,
+        env_var: str = TF_CONFIG,
+    ):
+        self.tpu = tpu
+        self._workers: list[str] | None = None
+        self._chief = False
+        num_processes = _int_or_none("num_processes", num_processes)
+        process_id = _int_or_none("process_id", process_id)
+        text = os.environ.get(env_var)
+        if text and tpu in (None, *_LOCAL_TPU_NAMES):
+            parsed = parse_tf_config(text, variable=env_var)
+            self._workers, self._chief = parsed["workers"], parsed["chief"]
+            coordinator_address = _merge("coordinator_address", coordinator_address,
+                                         self._workers[0], env_var)
+            num_processes = _merge("num_processes", num_processes, len(self._workers), env_var)
+            process_id = _merge("process_id", process_id, parsed["process_id"], env_var)
+        self.coordinator_address = coordinator_address
+        self.num_processes = num_processes
+        self.process_id = process_id
+        self.timeouts = {
+            "initialization_timeout": initialization_timeout,
+            "heartbeat_timeout": heartbeat_timeout,
+            "shutdown_timeout": shutdown_timeout,
+        }
+        for name, value in self.timeouts.items():
+            if value is None:
+                value = int(os.environ.get(TIMEOUT_ENV[name], _DEFAULT_TIMEOUTS[name]))
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int (seconds), got {value!r}")
+            self.timeouts[name] = value
+        self._check()
+
+    def _check(self) -> None:
+        n, i = self.num_processes, self.process_id
+        if n is not None and n < 1:
+            raise ValueError(f"num_processes must be >= 1, got {n}")
+        if i is not None and i < 0:
+            raise ValueError(f"process_id must be >= 0, got {i}")
+        if n is not None and i is not None and i >= n:
+            raise ValueError(f"process_id={i} must be smaller than num_processes={n}")
+        if self.coordinator_address is not None and ":" not in str(self.coordinator_address):
+            raise ValueError(
+                f"coordinator_address must be 'host:port', got {self.coordinator_address!r}"
+            )
+
+    # ----------------------------------------------------------------- what kind of job
+    @property
+    def mode(self) -> str:
+        """``"explicit"`` (arguments or TF_CONFIG), ``"auto"`` (JAX's detection) or ``"local"``."""
+        if self.tpu not in (None, *_LOCAL_TPU_NAMES):
+            return "auto"
+        if self.num_processes is not None and self.num_processes > 1:
+            return "explicit"
+        if self.num_processes is None and self.coordinator_address is not None:
+            return "explicit"
+        if self.num_processes is None and jax_cluster_environment() is not None:
+            return "auto"
+        return "local"
+
+    def cluster_spec(self) -> dict[str, list[str]]:
+        """The job's tasks as TF's ``ClusterSpec.as_dict()``: ``{"worker": [...]}``.
+
+        From TF_CONFIG: its task lists. From arguments only the coordinator's address is
+        known (``{"worker": [coordinator_address]}``); a one-process job gives ``{}``.
+        """
+        if self._workers is not None:
+            if self._chief:
+                return {"chief": self._workers[:1], "worker": self._workers[1:]}
+            return {"worker": list(self._workers)}
+        if self.coordinator_address is not None:
+            return {"worker": [self.coordinator_address]}
+        return {}
+
+    def master(self) -> str:
+        """The coordinator's ``host:port`` ("" for a one-process job), as TF's ``master()``."""
+        return self.coordinator_address or ""
+
+    # ----------------------------------------------------------------- connect
+    def connect(self) -> None:
+        """Starts ``jax.distributed`` for this process, once; a no-op for one process.
+
+        Must run before JAX uses any device (``jax.devices()``, a computation, ...).
+        ``RunConfig(cluster=...)`` and ``TPUStrategy(cluster_resolver)`` call it.
+
+        Raises:
+          RuntimeError: JAX already used a device in this process, or the process already
+            joined a different job.
+        """
+        mode = self.mode
+        if mode == "local":
+            return
+        wanted = {"coordinator_address": self.coordinator_address,
+                  "num_processes": self.num_processes, "process_id": self.process_id}
+        if _connected:
+            _check_same_job(_connected, wanted)
+            return
+        import jax
+
+        if jax.distributed.is_initialized():  # the user started the runtime themselves
+            _connected.update(wanted)
+            return
+        from jax._src import xla_bridge
+
+        if xla_bridge.backends_are_initialized():
+            raise RuntimeError(
+                "TPUClusterResolver.connect() must run before JAX uses any device (a "
+                "computation, jax.devices(), jax.device_put, ...): construct the TPUEstimator "
+                "or TPUStrategy (or call connect()) first in the program"
+            )
+        kwargs = {k: v for k, v in wanted.items() if v is not None}
+        log.info("Joining a %s-process job (process %s, coordinator %s).",
+                 self.num_processes or "?", self.process_id if self.process_id is not None
+                 else "?", self.coordinator_address or "auto-detected")
+        jax.distributed.initialize(
+            **kwargs,
+            initialization_timeout=self.timeouts["initialization_timeout"],
+            heartbeat_timeout_seconds=self.timeouts["heartbeat_timeout"],
+            shutdown_timeout_seconds=self.timeouts["shutdown_timeout"],
+        )
+        _connected.update(wanted)
+        if self.num_processes is None:
+            self.num_processes = jax.process_count()
+            self.process_id = jax.process_index()
+        _use_distributed_checkpoint_barriers()
+        log.info("Process %d of %d: %d local devices, %d in all.", jax.process_index(),
+                 jax.process_count(), jax.local_device_count(), jax.device_count())
+
+    def __repr__(self) -> str:
+        return (f"TPUClusterResolver(mode={self.mode!r}, coordinator_address="
+                f"{self.coordinator_address!r}, num_processes={self.num_processes}, "
+                f"process_id={self.process_id})")
+
+
+def _merge(name: str, given: Any, from_env: Any, env_var: str) -> Any:
+    if given is not None and given != from_env:
+        raise ClusterConfigError(
+            f"{name}={given!r} contradicts {env_var}, which gives {from_env!r}"
+        )
+    return from_env
+
+
+def _check_same_job(connected: dict, wanted: dict) -> None:
+    for key, value in wanted.items():
+        if value is not None and connected.get(key) is not None and connected[key] != value:
+            raise RuntimeError(
+                f"this process already joined a job with {key}={connected[key]!r}; "
+                f"cannot join another with {key}={value!r}"
+            )
+
+
+def _use_distributed_checkpoint_barriers() -> None:
+    """Makes Orbax synchronise processes through JAX's coordination service.
+
+    By default Orbax's barriers are device collectives; run from its background save thread
+    they can interleave with the training loop's collectives in a different order on each
+    process and deadlock. The coordination-service barrier is safe from any thread.
+    """
+    try:
+        import orbax.checkpoint  # noqa: F401 - defines the flag
+        from absl import flags
+
+        flag = flags.FLAGS["experimental_orbax_use_distributed_barrier"]
+        flag.value = True
+        flag.present = max(int(flag.present), 1)  # readable before absl parses argv
+    except Exception as e:  # noqa: BLE001 - an Orbax without the flag
+        log.warning("Could not switch Orbax to distributed barriers (%s); checkpoints written "
+                    "while training may stall on many processes.", e)
+
+
+def start_cluster(cluster: Any, *, model_dir: str | None) -> None:
+    """Connects ``RunConfig.cluster`` (anything with ``connect()``); None does nothing.
+
+    Raises:
+      TypeError: ``cluster`` has no ``connect()`` method.
+      ValueError: a many-process job without a ``model_dir`` (each process would pick its
+        own temporary directory, and checkpoints are written by all of them together).
+    """
+    if cluster is None:
+        return
+    connect = getattr(cluster, "connect", None)
+    if not callable(connect):
+        raise TypeError(
+            f"RunConfig.cluster must be a TPUClusterResolver (or have connect()), got {cluster!r}"
+        )
+    connect()
+    import jax
+
+    if model_dir is None and jax.process_count() > 1:
+        raise ValueError(
+            "model_dir must be set in a many-process job: every process writes the same "
+            "checkpoints (use a directory all hosts see, e.g. a bucket or shared disk)"
+        )
+
+
+def from_environment() -> TPUClusterResolver | None:
+    """A resolver when this process is part of a many-process job (TF_CONFIG, or a cluster
+    JAX detects), else None. The ``tpu-estimator`` command uses it."""
+    resolver = TPUClusterResolver()
+    return None if resolver.mode == "local" else resolver

@@ -1,0 +1,327 @@
+"""Many hosts through jax.distributed, tested as two processes x 4 CPU devices on one machine.
+
+The reference is the same job in this (one) process on 8 devices: same global batches, same
+replicas, so the two-process job must end with the same parameters, eval results and
+predictions. Every child process runs under a timeout, so nothing here can hang.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import estimator
+import models
+from estimator import checkpoint as ckpt_lib
+from estimator import cli, launch, multihost
+from estimator.cluster import ClusterConfigError, TPUClusterResolver, parse_tf_config
+from models.datasets import shard_batches
+from tests.estimator import _multihost_job as job
+
+JOB = [sys.executable, "-m", "tests.estimator._multihost_job"]
+TIMEOUTS = {"initialization_timeout": 120, "heartbeat_timeout": 10, "shutdown_timeout": 10}
+RUN_TIMEOUT = 240  # seconds for one two-process run, start-up and compilation included
+
+
+def _tf_config(workers, index, kind="worker", **cluster):
+    return json.dumps({"cluster": {"worker": workers, **cluster},
+                       "task": {"type": kind, "index": index}})
+
+
+# ----------------------------------------------------------------------------- the resolver
+def test_resolver_reads_tf_config(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", _tf_config(["h0:1000", "h1:1001", "h2:1002"], 2))
+    r = TPUClusterResolver()
+    assert (r.coordinator_address, r.num_processes, r.process_id) == ("h0:1000", 3, 2)
+    assert r.cluster_spec() == {"worker": ["h0:1000", "h1:1001", "h2:1002"]}
+    assert r.mode == "explicit" and r.master() == "h0:1000"
+
+
+def test_resolver_chief_is_process_0(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", _tf_config(["w0:1", "w1:1"], 1, chief=["c:9"]))
+    r = TPUClusterResolver()
+    assert (r.coordinator_address, r.num_processes, r.process_id) == ("c:9", 3, 2)
+    assert r.cluster_spec() == {"chief": ["c:9"], "worker": ["w0:1", "w1:1"]}
+    assert parse_tf_config(_tf_config(["w0:1"], 0, kind="chief", chief=["c:9"]))["process_id"] == 0
+
+
+@pytest.mark.parametrize("text, match", [
+    ("{not json", "not valid JSON"),
+    (_tf_config(["a:1", "b:2"], 2), r"index'\]=2 is outside the 2 worker"),
+    (_tf_config(["a:1"], 0, kind="ps"), "'ps'"),
+    (_tf_config(["a:1"], 0, ps=["p:1"]), r"lists \['ps'\]"),
+    (_tf_config(["no-port"], 0), "host:port"),
+])
+def test_resolver_rejects_bad_tf_config(monkeypatch, text, match):
+    monkeypatch.setenv("TF_CONFIG", text)
+    with pytest.raises(ClusterConfigError, match=match):
+        TPUClusterResolver()
+
+
+def test_resolver_arguments_must_agree_with_tf_config(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", _tf_config(["a:1", "b:2"], 1))
+    assert TPUClusterResolver(process_id=1).process_id == 1
+    with pytest.raises(ClusterConfigError, match="process_id=0 contradicts TF_CONFIG"):
+        TPUClusterResolver(process_id=0)
+
+
+def test_resolver_arguments_and_timeouts(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    monkeypatch.setenv("TPU_ESTIMATOR_HEARTBEAT_TIMEOUT", "7")
+    r = TPUClusterResolver(coordinator_address="10.0.0.1:1234", num_processes=2, process_id=1,
+                           shutdown_timeout=3)
+    assert r.cluster_spec() == {"worker": ["10.0.0.1:1234"]}
+    assert r.timeouts == {"initialization_timeout": 300, "heartbeat_timeout": 7,
+                          "shutdown_timeout": 3}
+    with pytest.raises(ValueError, match="process_id=2 must be smaller than num_processes=2"):
+        TPUClusterResolver(coordinator_address="h:1", num_processes=2, process_id=2)
+    with pytest.raises(ValueError, match="'host:port'"):
+        TPUClusterResolver(coordinator_address="h", num_processes=2, process_id=0)
+    with pytest.raises(ValueError, match="heartbeat_timeout must be a positive int"):
+        TPUClusterResolver(heartbeat_timeout=0)
+
+
+def test_local_resolver_connects_to_nothing(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    r = TPUClusterResolver()
+    assert r.mode == "local" and r.cluster_spec() == {} and r.master() == ""
+    r.connect()  # one process: nothing to join
+    est = estimator.TPUEstimator(lambda features, labels, mode, params: None,
+                                 config=estimator.RunConfig(cluster=r), train_batch_size=8)
+    assert est.num_replicas == 8
+    with pytest.raises(TypeError, match="RunConfig.cluster must be a TPUClusterResolver"):
+        estimator.TPUEstimator(lambda features, labels, mode, params: None,
+                               config=estimator.RunConfig(cluster="grpc://x"))
+
+
+def test_connect_after_devices_were_used_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    r = TPUClusterResolver(coordinator_address="127.0.0.1:1", num_processes=2, process_id=1)
+    with pytest.raises(RuntimeError, match="must run before JAX uses any device"):
+        r.connect()
+
+
+# ----------------------------------------------------------------------------- the launcher
+def test_child_envs_share_devices_and_name_the_coordinator():
+    base = {"XLA_FLAGS": "--foo --xla_force_host_platform_device_count=8", "PATH": "/bin"}
+    envs = launch.child_envs(2, port=4321, base_env=base, timeouts={"heartbeat_timeout": 5})
+    for i, env in enumerate(envs):
+        assert env["XLA_FLAGS"] == "--foo --xla_force_host_platform_device_count=4"
+        spec = json.loads(env["TF_CONFIG"])
+        assert spec["task"] == {"type": "worker", "index": i}
+        assert spec["cluster"]["worker"][0] == "127.0.0.1:4321"
+        assert env["TPU_ESTIMATOR_HEARTBEAT_TIMEOUT"] == "5" and env["PATH"] == "/bin"
+    assert launch.child_envs(4, base_env={})[0]["XLA_FLAGS"].endswith("count=2")
+    with pytest.raises(ValueError, match="cannot be shared evenly by num_processes=3"):
+        launch.child_envs(3, base_env=base)
+
+
+def test_cli_hands_num_processes_to_the_launcher(monkeypatch):
+    calls = []
+    monkeypatch.setattr(launch, "launch_local", lambda n, argv: calls.append((n, argv)) or 0)
+    assert cli.main(["train", "--num_processes", "2", "--config.max_steps=4"]) == 0
+    assert cli.main(["--num_processes=3", "evaluate"]) == 0
+    assert calls == [(2, ["train", "--config.max_steps=4"]), (3, ["evaluate"])]
+
+
+def test_launcher_kills_the_rest_when_one_fails(tmp_path):
+    script = ("import json, os, sys, time\n"
+              "i = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"
+              "sys.exit(3) if i == 1 else time.sleep(60)\n")
+    start = time.monotonic()
+    rc = launch.launch_local(2, ["-c", script], command=[sys.executable], grace=1, timeout=30)
+    assert rc == 3 and time.monotonic() - start < 20
+
+
+def test_launched_processes_form_one_job():
+    """``python -m estimator.launch``: two children, 4 devices each, one 8-device job."""
+    out = subprocess.run(
+        [sys.executable, "-m", "estimator.launch", "--num_processes", "2", "--timeout", "120",
+         "--", "-m", "tests.estimator._multihost_job", "--probe"],
+        capture_output=True, text=True, timeout=150,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [ln for ln in out.stdout.splitlines() if "PROBE " in ln]
+    probes = sorted((json.loads(ln.split("PROBE ", 1)[1]) for ln in lines),
+                    key=lambda p: p["process_index"])
+    assert [ln.startswith("[process 1] ") for ln in sorted(lines)] == [False, True]
+    assert [(p["process_index"], p["process_count"], p["local_devices"], p["devices"])
+            for p in probes] == [(0, 2, 4, 8), (1, 2, 4, 8)]
+    for p in probes:
+        assert [g["index"] for g in p["gathered"]] == [0, 1]
+        assert p["broadcast"] == "from 0" and p["any_of"] == [True, False]
+        assert p["after_error"] == {"value": 7}
+    assert [p["remote_error"] for p in probes] == ["ZeroDivisionError", "RemoteError"]
+
+
+def test_sharded_digits_input_is_the_one_process_input():
+    fns = models.DATASETS["digits"](job.job_config())
+    for name in ("train", "eval"):
+        one = fns[name]({"batch_size": 112})
+        parts = [fns[name]({"batch_size": 56}, estimator.InputContext(2, i, 8)) for i in (0, 1)]
+        for _ in range(4):
+            whole = next(one, None)
+            halves = [next(p, None) for p in parts]
+            if whole is None:
+                assert halves == [None, None]
+                break
+            got = [h for h in halves if h is not None]
+            np.testing.assert_array_equal(np.concatenate([h[0] for h in got]), whole[0])
+            np.testing.assert_array_equal(np.concatenate([h[1] for h in got]), whole[1])
+    got = list(shard_batches(lambda b: [np.arange(b)], {"batch_size": 2},
+                             estimator.InputContext(2, 1, 2)))
+    assert [x.tolist() for x in got] == [[2, 3]]
+
+
+def test_single_process_helpers_are_pass_through():
+    assert multihost.any_of(True, False) == (True, False)
+    assert multihost.gather_objects({"a": 1}) == [{"a": 1}]
+    assert multihost.run_on_process_0(lambda: 5, "x") == 5
+    x = np.arange(12).reshape(2, 6)
+    assert multihost.local_rows(x, None) is x
+
+
+# ----------------------------------------------------------------------------- end to end
+def _events(logdir: str, tag: str) -> dict[int, list[float]]:
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    acc = ea.EventAccumulator(logdir, size_guidance={ea.SCALARS: 0}, purge_orphaned_data=False)
+    acc.Reload()
+    out: dict[int, list[float]] = {}
+    for e in acc.Scalars(tag):
+        out.setdefault(e.step, []).append(e.value)
+    return out
+
+
+def _event_file_pids(model_dir: str) -> set[int]:
+    names = glob.glob(os.path.join(model_dir, "**", "events.out.tfevents.*"), recursive=True)
+    return {int(os.path.basename(n).split(".")[-2]) for n in names}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The same job in this process: 8 devices, 8 replicas, the same global batches."""
+    model_dir = str(tmp_path_factory.mktemp("reference"))
+    est, fns = job.build(model_dir)
+    est.train(fns["train"], max_steps=job.MAX_STEPS)
+    return {
+        "model_dir": model_dir,
+        "params": ckpt_lib.read_variables(model_dir),
+        "eval": est.evaluate(fns["eval"]),
+        "predict": [int(p["class_ids"]) for p in est.predict(fns["predict"])],
+    }
+
+
+def _wait_for(predicate, procs, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            launch.kill_all(procs)
+            pytest.fail(f"{what}: not reached (exit codes {[p.poll() for p in procs]})")
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory):
+    """Run 1 trains (slowly after step 9) until the step-9 checkpoint, then process 1 is
+    SIGKILLed; run 2
+    restarts both processes, which resume and finish the job (train to 18, eval, predict)."""
+    root = tmp_path_factory.mktemp("two_processes")
+    model_dir, out_dir = str(root / "model"), str(root / "out")
+    os.makedirs(out_dir)
+    first = launch.start_local(
+        2, [model_dir, out_dir, "--max_steps", "60", "--sleep", "2", "--sleep_from",
+            str(job.SAVE_EVERY), "--train_only"],
+        command=JOB, log_dir=str(root / "logs_killed"), timeouts=TIMEOUTS)
+    try:
+        _wait_for(lambda: os.path.isdir(os.path.join(model_dir, "checkpoints", "9")), first,
+                  RUN_TIMEOUT, "the step-9 checkpoint of the first run")
+        first[1].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        try:
+            survivor_rc = first[0].wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            survivor_rc = None
+        survivor_secs = time.monotonic() - killed_at
+    finally:
+        launch.kill_all(first)
+    with open(root / "logs_killed" / "process_0.log") as f:
+        survivor_log = f.read()
+    second = launch.start_local(2, [model_dir, out_dir], command=JOB,
+                                log_dir=str(root / "logs"), timeouts=TIMEOUTS)
+    rc = launch.wait_all(second, timeout=RUN_TIMEOUT, grace=20)
+    logs = [(root / "logs" / f"process_{i}.log").read_text() for i in (0, 1)]
+    assert rc == 0, "restarted run failed:\n" + "\n".join(log[-3000:] for log in logs)
+    results = [json.loads((root / "out" / f"process_{i}.json").read_text()) for i in (0, 1)]
+    return {"model_dir": model_dir, "survivor_rc": survivor_rc, "survivor_secs": survivor_secs,
+            "survivor_log": survivor_log, "killed_pid": first[1].pid, "results": results,
+            "logs": logs}
+
+
+def test_killed_process_makes_the_other_fail_within_the_timeout(two_process_runs):
+    run = two_process_runs
+    assert run["survivor_rc"] not in (None, 0), "the surviving process did not exit"
+    assert run["survivor_secs"] < 3 * TIMEOUTS["heartbeat_timeout"] + 15
+    assert ("Connection closed by peer" in run["survivor_log"]
+            or "detected fatal errors" in run["survivor_log"]), run["survivor_log"][-3000:]
+
+
+def test_restarting_both_processes_resumes_from_the_checkpoint(two_process_runs):
+    for result, log in zip(two_process_runs["results"], two_process_runs["logs"], strict=True):
+        assert (result["start_step"], result["final_step"]) == (9, job.MAX_STEPS)
+        assert "Restored checkpoint" in log and "checkpoints/9" in log
+        assert (result["process_count"], result["local_devices"], result["replicas"]) == (2, 4, 8)
+
+
+def test_two_processes_match_one_process(two_process_runs, reference):
+    """Params (after the kill and resume), eval results and predictions equal one 8-device
+    process; both processes return identical eval results."""
+    params = ckpt_lib.read_variables(two_process_runs["model_dir"])
+    assert sorted(params) == sorted(reference["params"])
+    for name, want in reference["params"].items():
+        np.testing.assert_allclose(params[name], want, rtol=1e-5, atol=1e-6, err_msg=name)
+    p0, p1 = two_process_runs["results"]
+    assert p0["eval"] == p1["eval"]
+    assert p0["eval"]["global_step"] == job.MAX_STEPS == reference["eval"]["global_step"]
+    assert p0["eval"]["accuracy"] == pytest.approx(reference["eval"]["accuracy"], abs=1e-12)
+    assert p0["eval"]["loss"] == pytest.approx(reference["eval"]["loss"], rel=1e-5)
+    # gather_to_process_0: process 0 yields every example in input order, process 1 none.
+    assert p0["predict_gathered"] == reference["predict"] and p1["predict_gathered"] == []
+    # By default each process yields its own rows: the first half of every global batch is
+    # process 0's (the last, short batch of 23 rows is all process 0's).
+    merged, i0, i1, half = [], 0, 0, job.EVAL_BATCH // 2
+    for start in range(0, len(reference["predict"]), job.EVAL_BATCH):
+        n = min(job.EVAL_BATCH, len(reference["predict"]) - start)
+        a, b = min(half, n), n - min(half, n)
+        merged += p0["predict_local"][i0 : i0 + a] + p1["predict_local"][i1 : i1 + b]
+        i0, i1 = i0 + a, i1 + b
+    assert (i0, i1) == (len(p0["predict_local"]), len(p1["predict_local"]))
+    assert merged == reference["predict"]
+
+
+def test_summaries_come_from_process_0_with_global_host_tensors(two_process_runs, reference):
+    """Only process 0 wrote events; its host_call saw all 8 replicas' losses (the summary
+    equals the one-process run's, which averages the same 8 values)."""
+    run = two_process_runs
+    pids = _event_file_pids(run["model_dir"])
+    assert run["results"][0]["pid"] in pids
+    assert not pids & {run["results"][1]["pid"], run["killed_pid"]}
+    got = _events(run["model_dir"], "train/loss")
+    want = _events(reference["model_dir"], "train/loss")
+    # The model's host_call writes at the step before each update (0-17).
+    assert sorted(want) == list(range(job.MAX_STEPS))
+    # The killed run's process 0 aborted before flushing all of its events; the restarted
+    # run wrote steps 9-17 (and closed its writer).
+    assert set(range(job.SAVE_EVERY, job.MAX_STEPS)) <= set(got) <= set(want)
+    for step, values in got.items():
+        np.testing.assert_allclose(values, want[step][0], rtol=1e-5, err_msg=f"step {step}")
+    eval_pids = _event_file_pids(os.path.join(run["model_dir"], "eval"))
+    assert eval_pids == {run["results"][0]["pid"]}
