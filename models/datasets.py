@@ -39,7 +39,8 @@ def repeat_batches(x, y, batch_size: int, *, seed: int = 0):
 def once_batches(x, y, batch_size: int, *, with_labels: bool = True):
     """One pass in order; the last batch is partial (the estimator pads and masks it)."""
     for i in range(0, len(x), batch_size):
-        yield (x[i : i + batch_size], y[i : i + batch_size]) if with_labels else x[i : i + batch_size]
+        rows = slice(i, i + batch_size)
+        yield (x[rows], y[rows]) if with_labels else x[rows]
 
 
 def shard_batches(make_batches: Callable[[int], Any], params: dict, input_context=None):

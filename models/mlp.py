@@ -52,10 +52,29 @@ def summaries_host_fn(global_step, loss, learning_rate):
 
 
 def make_optimizer(params: dict) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    lr = optax.cosine_decay_schedule(
-        params["learning_rate"], max(int(params.get("decay_steps", 1000)), 1), alpha=0.05
-    )
-    return optax.adamw(lr, weight_decay=params.get("weight_decay", 0.0)), lr
+    """The optimizer and learning-rate schedule that ``params`` names.
+
+    ``params``: ``learning_rate``, ``decay_steps`` (cosine decay to 5%), ``weight_decay``,
+    ``warmup_steps`` (linear warm-up, default 0) and ``optimizer``: ``"adamw"`` (default) or
+    ``"momentum"`` (SGD, Nesterov momentum 0.9, decoupled weight decay).
+
+    Raises:
+      ValueError: an unknown ``params["optimizer"]``.
+    """
+    peak, decay = params["learning_rate"], max(int(params.get("decay_steps", 1000)), 1)
+    warmup = int(params.get("warmup_steps", 0))
+    if warmup > 0:
+        lr = optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(decay, warmup + 1),
+                                                end_value=0.05 * peak)
+    else:
+        lr = optax.cosine_decay_schedule(peak, decay, alpha=0.05)
+    name, wd = params.get("optimizer", "adamw"), params.get("weight_decay", 0.0)
+    if name == "adamw":
+        return optax.adamw(lr, weight_decay=wd), lr
+    if name == "momentum":
+        return optax.chain(optax.add_decayed_weights(wd),
+                           optax.sgd(lr, momentum=0.9, nesterov=True)), lr
+    raise ValueError(f"params['optimizer']={name!r}; expected 'adamw' or 'momentum'")
 
 
 def classifier_model_fn(module: nn.Module):

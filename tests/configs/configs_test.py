@@ -1,0 +1,78 @@
+"""Every config in configs/ trains, evaluates and predicts on 8 replicas, shrunk by overrides."""
+
+import math
+
+import numpy as np
+import pytest
+
+from tests.configs._jobs import build_job, config_names, count_examples
+
+_COMMON = {"save_checkpoints_steps": 2, "log_step_count_steps": 0, "save_summary_steps": 0}
+_IMAGES = {
+    "image_size": (16, 16, 3),
+    "num_train_examples": 32,
+    "num_eval_examples": 20,
+    "train_batch_size": 16,
+    "eval_batch_size": 16,
+    "predict_batch_size": 16,
+    "model_params.num_filters": 4,
+    "max_steps": 2,
+}
+
+# What each config is shrunk to; a config missing here fails test_every_config_is_covered.
+SHRINK = {
+    "digits_mlp": {"max_steps": 4, "iterations_per_loop": 2, "model_params.hidden": (16,)},
+    "digits_mlp_small": {"max_steps": 4, "iterations_per_loop": 2},
+    "digits_cnn": {
+        "max_steps": 4,
+        "iterations_per_loop": 2,
+        "model_params.features": (4, 8),
+        "model_params.dense": 16,
+    },
+    "resnet18_cifar_synthetic": dict(_IMAGES),
+    "resnet50_imagenet_synthetic": dict(_IMAGES, image_size=(32, 32, 3)),
+    "transformer_lm": {
+        "text_source": "zen",
+        "seq_len": 16,
+        "model_params.max_len": 16,
+        "model_params.d_model": 32,
+        "model_params.mlp_dim": 64,
+        "model_params.num_layers": 2,
+        "train_batch_size": 16,
+        "eval_batch_size": 16,
+        "predict_batch_size": 16,
+        "max_steps": 4,
+        "iterations_per_loop": 2,
+    },
+}
+# Convolution-heavy graphs are compile-bound here: compile them with optimizations off.
+_FAST_COMPILE = {"resnet18_cifar_synthetic", "resnet50_imagenet_synthetic"}
+
+
+def test_every_config_is_covered():
+    assert sorted(SHRINK) == config_names()
+
+
+@pytest.mark.parametrize("name", sorted(SHRINK))
+def test_config_trains_evaluates_and_predicts_on_8_replicas(name, tmp_path, request):
+    if name in _FAST_COMPILE:
+        request.getfixturevalue("fast_compile")
+    overrides = dict(_COMMON, **SHRINK[name])
+    est, input_fns, config = build_job(name, tmp_path, **overrides)
+    assert est.num_replicas == 8
+
+    est.train(input_fns["train"], max_steps=config.max_steps)
+    assert est.get_variable_value("global_step") == config.max_steps
+
+    results = est.evaluate(input_fns["eval"], steps=config.eval_steps or None)
+    assert results["global_step"] == config.max_steps
+    assert math.isfinite(results["loss"])
+    assert config.target_metric in results
+    assert math.isfinite(results[config.target_metric])
+
+    predictions = list(est.predict(input_fns["predict"]))
+    assert len(predictions) == count_examples(input_fns["predict"], config.predict_batch_size)
+    first = predictions[0]
+    label_shape = np.shape(next(iter(input_fns["eval"]({"batch_size": 1})))[1][0])
+    key = "next_token" if "next_token" in first else "class_ids"
+    assert np.shape(first[key]) == label_shape

@@ -1,0 +1,1 @@
+from tests.configs._jobs import fast_compile, zoo  # noqa: F401
