@@ -7,6 +7,9 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_ESTIMATOR_NO_PROGRESS_BAR", "1")
+# Tests check behaviour, not speed: skipping XLA's optimisation passes compiles faster (an
+# environment variable, so subprocesses started by tests get it too).
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax  # noqa: E402
 
