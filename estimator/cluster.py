@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import warnings
 from typing import Any
 
 log = logging.getLogger("estimator")
@@ -123,8 +124,10 @@ def jax_cluster_environment() -> str | None:
         if env.opt_in_only_method:
             continue
         try:
-            if env.is_env_present():
-                return env.__name__
+            with warnings.catch_warnings():  # e.g. "Kubernetes detected, package missing"
+                warnings.simplefilter("ignore")
+                if env.is_env_present():
+                    return env.__name__
         except Exception as e:  # noqa: BLE001 - a broken probe must not stop the job
             log.debug("Cluster detection %s failed: %s", env.__name__, e)
     return None
@@ -284,12 +287,19 @@ class TPUClusterResolver:
         log.info("Joining a %s-process job (process %s, coordinator %s).",
                  self.num_processes or "?", self.process_id if self.process_id is not None
                  else "?", self.coordinator_address or "auto-detected")
-        jax.distributed.initialize(
-            **kwargs,
-            initialization_timeout=self.timeouts["initialization_timeout"],
-            heartbeat_timeout_seconds=self.timeouts["heartbeat_timeout"],
-            shutdown_timeout_seconds=self.timeouts["shutdown_timeout"],
-        )
+        try:
+            jax.distributed.initialize(
+                **kwargs,
+                initialization_timeout=self.timeouts["initialization_timeout"],
+                heartbeat_timeout_seconds=self.timeouts["heartbeat_timeout"],
+                shutdown_timeout_seconds=self.timeouts["shutdown_timeout"],
+            )
+        except ValueError as e:  # JAX's detection found nothing to complete the arguments
+            raise ClusterConfigError(
+                f"{self!r}: JAX found no TPU slice or cluster (Slurm, MPI, Kubernetes) to "
+                f"join ({e}); give coordinator_address, num_processes and process_id, or set "
+                f"{TF_CONFIG}"
+            ) from e
         _connected.update(wanted)
         if self.num_processes is None:
             self.num_processes = jax.process_count()

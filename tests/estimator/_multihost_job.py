@@ -84,8 +84,9 @@ class _LoopPrinter(hooks.SessionRunHook):
 
 
 def probe() -> dict:
-    """Joins the job and exercises the helpers that communicate between processes."""
-    TPUClusterResolver().connect()
+    """Joins the job through TPUStrategy(cluster_resolver) and exercises the helpers that
+    communicate between processes."""
+    strategy = estimator.TPUStrategy(TPUClusterResolver())
     import jax
 
     from estimator import multihost
@@ -93,6 +94,7 @@ def probe() -> dict:
     me = jax.process_index()
     out = {"process_index": me, "process_count": jax.process_count(),
            "local_devices": jax.local_device_count(), "devices": jax.device_count(),
+           "replicas_in_sync": strategy.num_replicas_in_sync,
            "gathered": multihost.gather_objects({"index": me, "pid": os.getpid()}),
            "broadcast": multihost.broadcast_object(f"from {me}"),
            "any_of": list(multihost.any_of(me == 1, False))}
@@ -101,7 +103,25 @@ def probe() -> dict:
     except Exception as e:  # noqa: BLE001 - reported
         out["remote_error"] = type(e).__name__
     out["after_error"] = multihost.run_on_process_0(lambda: {"value": 7}, "probe")
+    try:  # a host function that failed on process 0 only stops every process
+        multihost.check_worker(_FailingWorker(me == 0), "host_call")
+        out["worker_error"] = None
+    except Exception as e:  # noqa: BLE001 - reported
+        out["worker_error"] = type(e).__name__
     return out
+
+
+class _FailingWorker:
+    """Stands in for a HostWorker whose task raised (on this process, if ``fail``)."""
+
+    def __init__(self, fail: bool):
+        self.failed = fail
+
+    def check(self) -> None:
+        if self.failed:
+            raise ZeroDivisionError("host_call raised")
+
+    join = check
 
 
 def main(argv=None) -> int:

@@ -142,7 +142,8 @@ def test_launcher_kills_the_rest_when_one_fails(tmp_path):
 
 
 def test_launched_processes_form_one_job():
-    """``python -m estimator.launch``: two children, 4 devices each, one 8-device job."""
+    """``python -m estimator.launch``: two children, 4 devices each, joined by
+    ``TPUStrategy(TPUClusterResolver())`` into one 8-device job."""
     out = subprocess.run(
         [sys.executable, "-m", "estimator.launch", "--num_processes", "2", "--timeout", "120",
          "--", "-m", "tests.estimator._multihost_job", "--probe"],
@@ -158,8 +159,9 @@ def test_launched_processes_form_one_job():
     for p in probes:
         assert [g["index"] for g in p["gathered"]] == [0, 1]
         assert p["broadcast"] == "from 0" and p["any_of"] == [True, False]
-        assert p["after_error"] == {"value": 7}
+        assert p["after_error"] == {"value": 7} and p["replicas_in_sync"] == 8
     assert [p["remote_error"] for p in probes] == ["ZeroDivisionError", "RemoteError"]
+    assert [p["worker_error"] for p in probes] == ["ZeroDivisionError", "RemoteError"]
 
 
 def test_sharded_digits_input_is_the_one_process_input():
