@@ -11,6 +11,7 @@ from . import summary
 from .config import InputPipelineConfig, RunConfig, TPUConfig
 from .context import get_global_step, padding_mask
 from .checkpoint import CheckpointError, CheckpointMismatchError
+from .cluster import TPUClusterResolver
 from .device_assignment import DeviceAssignment
 from .export import build_raw_serving_input_receiver_fn, load_saved_model
 from .host import TracedValueError
@@ -28,6 +29,7 @@ from .train_and_evaluate import EvalSpec, TrainSpec, train_and_evaluate
 _runtime.setup_logging()
 
 __all__ = [
+    "TPUClusterResolver",
     "CheckpointError",
     "CheckpointMismatchError",
     "Preempted",
