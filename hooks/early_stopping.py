@@ -26,6 +26,8 @@ from hooks.base import SessionRunContext, SessionRunHook, SessionRunValues
 from hooks.event_reader import read_eval_metrics
 from hooks.timer import SecondOrStepTimer
 
+_Evaluations = list[tuple[int, float]]  # (global step, metric value), in step order
+
 
 def make_early_stopping_hook(
     estimator: Any,
@@ -86,15 +88,9 @@ def stop_if_higher_hook(
     Returns:
       A ``SessionRunHook``.
     """
-    return _threshold_hook(
-        estimator,
-        metric_name,
-        threshold,
-        True,
-        eval_dir,
-        min_steps,
-        run_every_secs,
-        run_every_steps,
+    should_stop = _crossed(metric_name, threshold, higher_is_better=True)
+    return _metric_hook(
+        estimator, metric_name, eval_dir, min_steps, run_every_secs, run_every_steps, should_stop
     )
 
 
@@ -111,15 +107,9 @@ def stop_if_lower_hook(
 
     Arguments as in ``stop_if_higher_hook``.
     """
-    return _threshold_hook(
-        estimator,
-        metric_name,
-        threshold,
-        False,
-        eval_dir,
-        min_steps,
-        run_every_secs,
-        run_every_steps,
+    should_stop = _crossed(metric_name, threshold, higher_is_better=False)
+    return _metric_hook(
+        estimator, metric_name, eval_dir, min_steps, run_every_secs, run_every_steps, should_stop
     )
 
 
@@ -149,15 +139,9 @@ def stop_if_no_increase_hook(
     Returns:
       A ``SessionRunHook``.
     """
-    return _no_improvement_hook(
-        estimator,
-        metric_name,
-        max_steps_without_increase,
-        True,
-        eval_dir,
-        min_steps,
-        run_every_secs,
-        run_every_steps,
+    should_stop = _stalled(metric_name, max_steps_without_increase, higher_is_better=True)
+    return _metric_hook(
+        estimator, metric_name, eval_dir, min_steps, run_every_secs, run_every_steps, should_stop
     )
 
 
@@ -174,15 +158,9 @@ def stop_if_no_decrease_hook(
 
     Arguments as in ``stop_if_no_increase_hook``.
     """
-    return _no_improvement_hook(
-        estimator,
-        metric_name,
-        max_steps_without_decrease,
-        False,
-        eval_dir,
-        min_steps,
-        run_every_secs,
-        run_every_steps,
+    should_stop = _stalled(metric_name, max_steps_without_decrease, higher_is_better=False)
+    return _metric_hook(
+        estimator, metric_name, eval_dir, min_steps, run_every_secs, run_every_steps, should_stop
     )
 
 
@@ -227,7 +205,7 @@ def _resolve_eval_dir(estimator: Any, eval_dir: str | None) -> str:
     return os.path.join(estimator.model_dir, "eval")
 
 
-def _metric_values(eval_dir: str, metric_name: str, min_steps: int) -> list[tuple[int, float]]:
+def _metric_values(eval_dir: str, metric_name: str, min_steps: int) -> _Evaluations:
     """(step, value) of ``metric_name`` per evaluation at or after ``min_steps``."""
     results = read_eval_metrics(eval_dir)
     found = [(s, m[metric_name]) for s, m in results.items() if metric_name in m]
@@ -239,22 +217,33 @@ def _metric_values(eval_dir: str, metric_name: str, min_steps: int) -> list[tupl
     return [(step, value) for step, value in found if step >= min_steps]
 
 
-def _threshold_hook(
+def _metric_hook(
     estimator: Any,
     metric_name: str,
-    threshold: float,
-    higher_is_better: bool,
     eval_dir: str | None,
     min_steps: int,
     run_every_secs: float | None,
     run_every_steps: int | None,
+    should_stop: Callable[[_Evaluations], bool],
 ) -> SessionRunHook:
+    """A hook that stops once ``should_stop`` holds for the evaluations of ``metric_name``."""
     eval_dir = _resolve_eval_dir(estimator, eval_dir)
+
+    def should_stop_fn() -> bool:
+        return should_stop(_metric_values(eval_dir, metric_name, min_steps))
+
+    return make_early_stopping_hook(estimator, should_stop_fn, run_every_secs, run_every_steps)
+
+
+def _crossed(
+    metric_name: str, threshold: float, *, higher_is_better: bool
+) -> Callable[[_Evaluations], bool]:
+    """Whether some evaluation is past ``threshold`` (above it if ``higher_is_better``)."""
     is_better = operator.gt if higher_is_better else operator.lt
     relation = "greater than" if higher_is_better else "less than"
 
-    def stop_if_threshold_crossed_fn() -> bool:
-        for step, value in _metric_values(eval_dir, metric_name, min_steps):
+    def stop_if_threshold_crossed(evaluations: _Evaluations) -> bool:
+        for step, value in evaluations:
             if is_better(value, threshold):
                 _util.logger.info(
                     'At step %s, metric "%s" has value %s which is %s the configured '
@@ -268,28 +257,19 @@ def _threshold_hook(
                 return True
         return False
 
-    return make_early_stopping_hook(
-        estimator, stop_if_threshold_crossed_fn, run_every_secs, run_every_steps
-    )
+    return stop_if_threshold_crossed
 
 
-def _no_improvement_hook(
-    estimator: Any,
-    metric_name: str,
-    max_steps_without_improvement: int,
-    higher_is_better: bool,
-    eval_dir: str | None,
-    min_steps: int,
-    run_every_secs: float | None,
-    run_every_steps: int | None,
-) -> SessionRunHook:
-    eval_dir = _resolve_eval_dir(estimator, eval_dir)
+def _stalled(
+    metric_name: str, max_steps_without_improvement: int, *, higher_is_better: bool
+) -> Callable[[_Evaluations], bool]:
+    """Whether some evaluation comes that many steps or more after the best one before it."""
     is_better = operator.gt if higher_is_better else operator.lt
     direction = "increase" if higher_is_better else "decrease"
 
-    def stop_if_no_metric_improvement_fn() -> bool:
+    def stop_if_no_metric_improvement(evaluations: _Evaluations) -> bool:
         best_value, best_step = None, None
-        for step, value in _metric_values(eval_dir, metric_name, min_steps):
+        for step, value in evaluations:
             if best_value is None or is_better(value, best_value):
                 best_value, best_step = value, step
             if step - best_step >= max_steps_without_improvement:
@@ -304,6 +284,4 @@ def _no_improvement_hook(
                 return True
         return False
 
-    return make_early_stopping_hook(
-        estimator, stop_if_no_metric_improvement_fn, run_every_secs, run_every_steps
-    )
+    return stop_if_no_metric_improvement

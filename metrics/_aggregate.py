@@ -19,6 +19,7 @@ from metrics._inputs import ArrayLike
 from metrics.base import Metric, static_field
 
 _A = TypeVar("_A", bound="_Average")
+_E = TypeVar("_E", bound="_Elementwise")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -46,6 +47,28 @@ class _Average(Metric):
     def compute(self) -> float:
         # TF's div_no_nan: the mean of nothing is 0.
         return float(self.total / self.count) if self.count != 0 else 0.0
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Elementwise(_Average):
+    """Weighted average of `_values(labels, predictions)`, one value per matched entry."""
+
+    @classmethod
+    def from_model_output(
+        cls: type[_E],
+        labels: ArrayLike,
+        predictions: ArrayLike,
+        weights: ArrayLike | None = None,
+        *,
+        mask: ArrayLike | None = None,
+    ) -> _E:
+        """Same as the factory of the same name (e.g. `metrics.accuracy`)."""
+        labels_array, predictions_array = _inputs.labels_and_predictions(labels, predictions)
+        return cls._of(cls._values(labels_array, predictions_array), weights, mask, "labels")
+
+    @staticmethod
+    def _values(labels: np.ndarray, predictions: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -11,30 +11,18 @@ import dataclasses
 import numpy as np
 
 from metrics import _inputs
-from metrics._aggregate import _Average
+from metrics._aggregate import _Elementwise
 from metrics._inputs import ArrayLike
 from metrics.base import Metric, static_field
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Accuracy(_Average):
+class Accuracy(_Elementwise):
     """State of `metrics.accuracy`: weighted count of correct entries over total weight."""
 
-    @classmethod
-    def from_model_output(
-        cls,
-        labels: ArrayLike,
-        predictions: ArrayLike,
-        weights: ArrayLike | None = None,
-        *,
-        mask: ArrayLike | None = None,
-    ) -> Accuracy:
-        """Same as `metrics.accuracy`."""
-        labels_array, predictions_array = _inputs.match_shapes(
-            _inputs.to_array(labels, "labels"), _inputs.to_array(predictions, "predictions")
-        )
-        correct = (labels_array == predictions_array).astype(np.float64)
-        return cls._of(correct, weights, mask, "labels")
+    @staticmethod
+    def _values(labels: np.ndarray, predictions: np.ndarray) -> np.ndarray:
+        return (labels == predictions).astype(np.float64)
 
 
 def accuracy(
@@ -81,9 +69,7 @@ def _flat_class_inputs(
     check_predictions: bool,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Flattened (labels, predictions, weights) of a per-class metric, checked."""
-    labels_array, predictions_array = _inputs.match_shapes(
-        _inputs.to_array(labels, "labels"), _inputs.to_array(predictions, "predictions")
-    )
+    labels_array, predictions_array = _inputs.labels_and_predictions(labels, predictions)
     w = _inputs.broadcast_weights(weights, labels_array.shape, mask=mask).reshape(-1)
     label_ids = _inputs.class_ids(labels_array.reshape(-1), w, "labels", num_classes)
     limit = num_classes if check_predictions else None
@@ -107,7 +93,7 @@ class MeanPerClassAccuracy(Metric):
 
     @classmethod
     def empty(cls, num_classes: int) -> MeanPerClassAccuracy:
-        n = _inputs.check_num_classes(num_classes)
+        n = _inputs.positive_int(num_classes, "num_classes")
         return cls(np.zeros(n), np.zeros(n), n)
 
     @classmethod
@@ -121,7 +107,7 @@ class MeanPerClassAccuracy(Metric):
         mask: ArrayLike | None = None,
     ) -> MeanPerClassAccuracy:
         """Same as `metrics.mean_per_class_accuracy`."""
-        n = _inputs.check_num_classes(num_classes)
+        n = _inputs.positive_int(num_classes, "num_classes")
         label_ids, prediction_ids, w = _flat_class_inputs(
             labels, predictions, n, weights, mask, check_predictions=False
         )
@@ -192,7 +178,7 @@ class MeanIoU(Metric):
 
     @classmethod
     def empty(cls, num_classes: int) -> MeanIoU:
-        n = _inputs.check_num_classes(num_classes)
+        n = _inputs.positive_int(num_classes, "num_classes")
         return cls(np.zeros((n, n)), n)
 
     @classmethod
@@ -206,7 +192,7 @@ class MeanIoU(Metric):
         mask: ArrayLike | None = None,
     ) -> MeanIoU:
         """Same as `metrics.mean_iou`."""
-        n = _inputs.check_num_classes(num_classes)
+        n = _inputs.positive_int(num_classes, "num_classes")
         label_ids, prediction_ids, w = _flat_class_inputs(
             labels, predictions, n, weights, mask, check_predictions=True
         )

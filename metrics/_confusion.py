@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import ClassVar, Protocol, TypeVar
 
 import numpy as np
 
@@ -26,6 +26,7 @@ from metrics.base import Metric, static_field
 
 Thresholds = float | Sequence[float] | None
 _T = TypeVar("_T", bound="_Thresholded")
+_T_co = TypeVar("_T_co", bound="_Thresholded", covariant=True)
 
 
 def _threshold_array(thresholds: Thresholds) -> tuple[np.ndarray, bool]:
@@ -51,9 +52,7 @@ def counts_at_thresholds(
     probabilities: bool = False,
 ) -> dict[str, np.ndarray]:
     """Weighted tp/fp/tn/fn at each threshold, via one sort of the thresholds (not N x K)."""
-    labels_array, predictions_array = _inputs.match_shapes(
-        _inputs.to_array(labels, "labels"), _inputs.to_array(predictions, "predictions")
-    )
+    labels_array, predictions_array = _inputs.labels_and_predictions(labels, predictions)
     w = _inputs.broadcast_weights(weights, labels_array.shape, mask=mask).reshape(-1)
     positive = (labels_array.reshape(-1) != 0) & (w != 0)
     negative = (labels_array.reshape(-1) == 0) & (w != 0)
@@ -137,32 +136,38 @@ class _Thresholded(Metric):
         return float(value[0]) if self.single_threshold else value
 
 
-class TruePositives(_Thresholded):
+class _Cell(_Thresholded):
+    """The counts of one confusion cell, named by `_cell`."""
+
+    _cell: ClassVar[str]
+
+    def _value(self) -> np.ndarray:
+        value: np.ndarray = getattr(self, self._cell)
+        return value
+
+
+class TruePositives(_Cell):
     """State of `metrics.true_positives`."""
 
-    def _value(self) -> np.ndarray:
-        return self.tp
+    _cell = "tp"
 
 
-class FalsePositives(_Thresholded):
+class FalsePositives(_Cell):
     """State of `metrics.false_positives`."""
 
-    def _value(self) -> np.ndarray:
-        return self.fp
+    _cell = "fp"
 
 
-class TrueNegatives(_Thresholded):
+class TrueNegatives(_Cell):
     """State of `metrics.true_negatives`."""
 
-    def _value(self) -> np.ndarray:
-        return self.tn
+    _cell = "tn"
 
 
-class FalseNegatives(_Thresholded):
+class FalseNegatives(_Cell):
     """State of `metrics.false_negatives`."""
 
-    def _value(self) -> np.ndarray:
-        return self.fn
+    _cell = "fn"
 
 
 class Precision(_Thresholded):
@@ -179,15 +184,21 @@ class Recall(_Thresholded):
         return div_no_nan(self.tp, self.tp + self.fn)
 
 
-def true_positives(
-    labels: ArrayLike,
-    predictions: ArrayLike,
-    weights: ArrayLike | None = None,
-    *,
-    thresholds: Thresholds = None,
-    mask: ArrayLike | None = None,
-) -> TruePositives:
-    """The weighted number of positive labels predicted positive.
+class _Factory(Protocol[_T_co]):
+    """The signature of every factory below (`metrics.precision` and the rest)."""
+
+    def __call__(
+        self,
+        labels: ArrayLike,
+        predictions: ArrayLike,
+        weights: ArrayLike | None = None,
+        *,
+        thresholds: Thresholds = None,
+        mask: ArrayLike | None = None,
+    ) -> _T_co: ...
+
+
+_FACTORY_DOC = """{summary}
 
     Args:
       labels: array of the same shape as `predictions`, cast to bool (nonzero is positive).
@@ -199,7 +210,7 @@ def true_positives(
       mask: optional keyword; entries where it is 0/False are excluded.
 
     Returns:
-      A `TruePositives` metric.
+      A `{metric}` metric.
 
     Raises:
       ValueError: if the shapes of `labels`, `predictions` or `weights` do not match.
@@ -207,187 +218,71 @@ def true_positives(
     Example:
 
     >>> import metrics
-    >>> metrics.true_positives([1, 1, 0], [0.9, 0.2, 0.7]).compute()
-    1.0
+    >>> {example}
+    {result}
     """
-    return TruePositives.from_model_output(
-        labels, predictions, weights, thresholds=thresholds, mask=mask
+
+
+def _factory(cls: type[_T], name: str, summary: str, example: str, result: str) -> _Factory[_T]:
+    """The public function `name`, returning `cls.from_model_output` of its arguments."""
+
+    def factory(
+        labels: ArrayLike,
+        predictions: ArrayLike,
+        weights: ArrayLike | None = None,
+        *,
+        thresholds: Thresholds = None,
+        mask: ArrayLike | None = None,
+    ) -> _T:
+        return cls.from_model_output(labels, predictions, weights, thresholds=thresholds, mask=mask)
+
+    factory.__name__ = factory.__qualname__ = name
+    factory.__annotations__["return"] = cls.__name__
+    factory.__doc__ = _FACTORY_DOC.format(
+        summary=summary, metric=cls.__name__, example=example, result=result
     )
+    return factory
 
 
-def false_positives(
-    labels: ArrayLike,
-    predictions: ArrayLike,
-    weights: ArrayLike | None = None,
-    *,
-    thresholds: Thresholds = None,
-    mask: ArrayLike | None = None,
-) -> FalsePositives:
-    """The weighted number of negative labels predicted positive.
-
-    Args:
-      labels: array of the same shape as `predictions`, cast to bool (nonzero is positive).
-      predictions: scores, probabilities or booleans; positive where `> threshold`.
-      weights: optional scalar or array broadcastable to `labels` (per-row `[N]` weights are
-        expanded over trailing dimensions); 0 excludes an entry.
-      thresholds: keyword; `None` (0.5) or a float gives a float result, a list of floats
-        gives an array with one value per threshold.
-      mask: optional keyword; entries where it is 0/False are excluded.
-
-    Returns:
-      A `FalsePositives` metric.
-
-    Raises:
-      ValueError: if the shapes of `labels`, `predictions` or `weights` do not match.
-
-    Example:
-
-    >>> import metrics
-    >>> metrics.false_positives([1, 1, 0], [0.9, 0.2, 0.7]).compute()
-    1.0
-    """
-    return FalsePositives.from_model_output(
-        labels, predictions, weights, thresholds=thresholds, mask=mask
-    )
-
-
-def true_negatives(
-    labels: ArrayLike,
-    predictions: ArrayLike,
-    weights: ArrayLike | None = None,
-    *,
-    thresholds: Thresholds = None,
-    mask: ArrayLike | None = None,
-) -> TrueNegatives:
-    """The weighted number of negative labels predicted negative.
-
-    Args:
-      labels: array of the same shape as `predictions`, cast to bool (nonzero is positive).
-      predictions: scores, probabilities or booleans; positive where `> threshold`.
-      weights: optional scalar or array broadcastable to `labels` (per-row `[N]` weights are
-        expanded over trailing dimensions); 0 excludes an entry.
-      thresholds: keyword; `None` (0.5) or a float gives a float result, a list of floats
-        gives an array with one value per threshold.
-      mask: optional keyword; entries where it is 0/False are excluded.
-
-    Returns:
-      A `TrueNegatives` metric.
-
-    Raises:
-      ValueError: if the shapes of `labels`, `predictions` or `weights` do not match.
-
-    Example:
-
-    >>> import metrics
-    >>> metrics.true_negatives([1, 0, 0], [0.9, 0.2, 0.7], thresholds=[0.1, 0.5]).compute()
-    array([0., 1.])
-    """
-    return TrueNegatives.from_model_output(
-        labels, predictions, weights, thresholds=thresholds, mask=mask
-    )
-
-
-def false_negatives(
-    labels: ArrayLike,
-    predictions: ArrayLike,
-    weights: ArrayLike | None = None,
-    *,
-    thresholds: Thresholds = None,
-    mask: ArrayLike | None = None,
-) -> FalseNegatives:
-    """The weighted number of positive labels predicted negative.
-
-    Args:
-      labels: array of the same shape as `predictions`, cast to bool (nonzero is positive).
-      predictions: scores, probabilities or booleans; positive where `> threshold`.
-      weights: optional scalar or array broadcastable to `labels` (per-row `[N]` weights are
-        expanded over trailing dimensions); 0 excludes an entry.
-      thresholds: keyword; `None` (0.5) or a float gives a float result, a list of floats
-        gives an array with one value per threshold.
-      mask: optional keyword; entries where it is 0/False are excluded.
-
-    Returns:
-      A `FalseNegatives` metric.
-
-    Raises:
-      ValueError: if the shapes of `labels`, `predictions` or `weights` do not match.
-
-    Example:
-
-    >>> import metrics
-    >>> metrics.false_negatives([True, True], [True, False]).compute()
-    1.0
-    """
-    return FalseNegatives.from_model_output(
-        labels, predictions, weights, thresholds=thresholds, mask=mask
-    )
-
-
-def precision(
-    labels: ArrayLike,
-    predictions: ArrayLike,
-    weights: ArrayLike | None = None,
-    *,
-    thresholds: Thresholds = None,
-    mask: ArrayLike | None = None,
-) -> Precision:
-    """Precision, `tp / (tp + fp)` (0.0 when nothing is predicted positive).
-
-    Args:
-      labels: array of the same shape as `predictions`, cast to bool (nonzero is positive).
-      predictions: scores, probabilities or booleans; positive where `> threshold`.
-      weights: optional scalar or array broadcastable to `labels` (per-row `[N]` weights are
-        expanded over trailing dimensions); 0 excludes an entry.
-      thresholds: keyword; `None` (0.5) or a float gives a float result, a list of floats
-        gives an array with one value per threshold.
-      mask: optional keyword; entries where it is 0/False are excluded.
-
-    Returns:
-      A `Precision` metric.
-
-    Raises:
-      ValueError: if the shapes of `labels`, `predictions` or `weights` do not match.
-
-    Example:
-
-    >>> import metrics
-    >>> metrics.precision([1, 1, 0, 0], [0.9, 0.8, 0.7, 0.1]).compute()
-    0.6666666666666666
-    """
-    return Precision.from_model_output(
-        labels, predictions, weights, thresholds=thresholds, mask=mask
-    )
-
-
-def recall(
-    labels: ArrayLike,
-    predictions: ArrayLike,
-    weights: ArrayLike | None = None,
-    *,
-    thresholds: Thresholds = None,
-    mask: ArrayLike | None = None,
-) -> Recall:
-    """Recall, `tp / (tp + fn)` (0.0 when there are no positive labels).
-
-    Args:
-      labels: array of the same shape as `predictions`, cast to bool (nonzero is positive).
-      predictions: scores, probabilities or booleans; positive where `> threshold`.
-      weights: optional scalar or array broadcastable to `labels` (per-row `[N]` weights are
-        expanded over trailing dimensions); 0 excludes an entry.
-      thresholds: keyword; `None` (0.5) or a float gives a float result, a list of floats
-        gives an array with one value per threshold.
-      mask: optional keyword; entries where it is 0/False are excluded.
-
-    Returns:
-      A `Recall` metric.
-
-    Raises:
-      ValueError: if the shapes of `labels`, `predictions` or `weights` do not match.
-
-    Example:
-
-    >>> import metrics
-    >>> metrics.recall([1, 1, 0, 0], [0.9, 0.2, 0.7, 0.1], weights=[1, 3, 1, 1]).compute()
-    0.25
-    """
-    return Recall.from_model_output(labels, predictions, weights, thresholds=thresholds, mask=mask)
+true_positives = _factory(
+    TruePositives,
+    "true_positives",
+    "The weighted number of positive labels predicted positive.",
+    "metrics.true_positives([1, 1, 0], [0.9, 0.2, 0.7]).compute()",
+    "1.0",
+)
+false_positives = _factory(
+    FalsePositives,
+    "false_positives",
+    "The weighted number of negative labels predicted positive.",
+    "metrics.false_positives([1, 1, 0], [0.9, 0.2, 0.7]).compute()",
+    "1.0",
+)
+true_negatives = _factory(
+    TrueNegatives,
+    "true_negatives",
+    "The weighted number of negative labels predicted negative.",
+    "metrics.true_negatives([1, 0, 0], [0.9, 0.2, 0.7], thresholds=[0.1, 0.5]).compute()",
+    "array([0., 1.])",
+)
+false_negatives = _factory(
+    FalseNegatives,
+    "false_negatives",
+    "The weighted number of positive labels predicted negative.",
+    "metrics.false_negatives([True, True], [True, False]).compute()",
+    "1.0",
+)
+precision = _factory(
+    Precision,
+    "precision",
+    "Precision, `tp / (tp + fp)` (0.0 when nothing is predicted positive).",
+    "metrics.precision([1, 1, 0, 0], [0.9, 0.8, 0.7, 0.1]).compute()",
+    "0.6666666666666666",
+)
+recall = _factory(
+    Recall,
+    "recall",
+    "Recall, `tp / (tp + fn)` (0.0 when there are no positive labels).",
+    "metrics.recall([1, 1, 0, 0], [0.9, 0.2, 0.7, 0.1], weights=[1, 3, 1, 1]).compute()",
+    "0.25",
+)

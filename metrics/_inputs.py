@@ -51,6 +51,13 @@ def match_shapes(
     return labels, predictions
 
 
+def labels_and_predictions(
+    labels: ArrayLike, predictions: ArrayLike
+) -> tuple[np.ndarray, np.ndarray]:
+    """Returns `labels` and `predictions` as arrays of one shape (`to_array`, `match_shapes`)."""
+    return match_shapes(to_array(labels, "labels"), to_array(predictions, "predictions"))
+
+
 def _broadcast(array: np.ndarray, shape: tuple[int, ...], name: str, target: str) -> np.ndarray:
     if array.ndim == 0:
         return np.broadcast_to(array, shape)
@@ -106,15 +113,15 @@ def weighted_sum(values: np.ndarray, weights: np.ndarray) -> float:
     return float(np.sum(values * weights, dtype=np.float64))
 
 
-def check_num_classes(num_classes: int) -> int:
-    """Returns `num_classes` as a python int >= 1, or raises naming it."""
+def positive_int(value: int, name: str) -> int:
+    """Returns `value` as a python int >= 1 (not a bool), or raises naming `name`."""
     try:
-        value = operator.index(num_classes)
+        result = operator.index(value)
     except TypeError as e:
-        raise TypeError(f"`num_classes` must be an int, got {num_classes!r}.") from e
-    if isinstance(num_classes, bool) or value < 1:
-        raise ValueError(f"`num_classes` must be a positive int, got {num_classes!r}.")
-    return value
+        raise TypeError(f"`{name}` must be an int, got {value!r}.") from e
+    if isinstance(value, bool) or result < 1:
+        raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+    return result
 
 
 def class_ids(

@@ -17,16 +17,6 @@ from metrics._inputs import ArrayLike
 from metrics.base import Metric, static_field
 
 
-def _positive_int(value: int, name: str) -> int:
-    try:
-        result = operator.index(value)
-    except TypeError as e:
-        raise TypeError(f"`{name}` must be an int, got {value!r}.") from e
-    if isinstance(value, bool) or result < 1:
-        raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
-    return result
-
-
 def _in_top_k(scores: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
     """Whether each row's label is among its top `k` scores; out-of-range labels never are."""
     num_classes = scores.shape[1]
@@ -57,7 +47,7 @@ class RecallAtK(Metric):
 
     @classmethod
     def empty(cls, k: int, class_id: int | None = None) -> RecallAtK:
-        return cls(0.0, 0.0, _positive_int(k, "k"), class_id)
+        return cls(0.0, 0.0, _inputs.positive_int(k, "k"), class_id)
 
     @classmethod
     def from_model_output(
@@ -71,7 +61,7 @@ class RecallAtK(Metric):
         mask: ArrayLike | None = None,
     ) -> RecallAtK:
         """Same as `metrics.recall_at_k`."""
-        k = _positive_int(k, "k")
+        k = _inputs.positive_int(k, "k")
         scores = _inputs.to_array(predictions, "predictions")
         labels_array = _inputs.to_array(labels, "labels")
         if scores.ndim < 1:

@@ -11,70 +11,44 @@ import math
 
 import numpy as np
 
-from metrics import _inputs
-from metrics._aggregate import _Average
+from metrics._aggregate import _Elementwise
 from metrics._inputs import ArrayLike
 
 
-def _errors(labels: ArrayLike, predictions: ArrayLike) -> np.ndarray:
-    labels_array, predictions_array = _inputs.match_shapes(
-        _inputs.to_array(labels, "labels"), _inputs.to_array(predictions, "predictions")
-    )
-    return predictions_array.astype(np.float64) - labels_array.astype(np.float64)
+def _errors(labels: np.ndarray, predictions: np.ndarray) -> np.ndarray:
+    return predictions.astype(np.float64) - labels.astype(np.float64)
+
+
+def _squared_errors(labels: np.ndarray, predictions: np.ndarray) -> np.ndarray:
+    return np.square(_errors(labels, predictions))
+
+
+def _absolute_errors(labels: np.ndarray, predictions: np.ndarray) -> np.ndarray:
+    return np.abs(_errors(labels, predictions))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class MeanSquaredError(_Average):
+class MeanSquaredError(_Elementwise):
     """State of `metrics.mean_squared_error`."""
 
-    @classmethod
-    def from_model_output(
-        cls,
-        labels: ArrayLike,
-        predictions: ArrayLike,
-        weights: ArrayLike | None = None,
-        *,
-        mask: ArrayLike | None = None,
-    ) -> MeanSquaredError:
-        """Same as `metrics.mean_squared_error`."""
-        return cls._of(np.square(_errors(labels, predictions)), weights, mask, "labels")
+    _values = staticmethod(_squared_errors)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class RootMeanSquaredError(_Average):
+class RootMeanSquaredError(_Elementwise):
     """State of `metrics.root_mean_squared_error` (the square root is taken in `compute`)."""
 
-    @classmethod
-    def from_model_output(
-        cls,
-        labels: ArrayLike,
-        predictions: ArrayLike,
-        weights: ArrayLike | None = None,
-        *,
-        mask: ArrayLike | None = None,
-    ) -> RootMeanSquaredError:
-        """Same as `metrics.root_mean_squared_error`."""
-        return cls._of(np.square(_errors(labels, predictions)), weights, mask, "labels")
+    _values = staticmethod(_squared_errors)
 
     def compute(self) -> float:
         return math.sqrt(max(super().compute(), 0.0))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class MeanAbsoluteError(_Average):
+class MeanAbsoluteError(_Elementwise):
     """State of `metrics.mean_absolute_error`."""
 
-    @classmethod
-    def from_model_output(
-        cls,
-        labels: ArrayLike,
-        predictions: ArrayLike,
-        weights: ArrayLike | None = None,
-        *,
-        mask: ArrayLike | None = None,
-    ) -> MeanAbsoluteError:
-        """Same as `metrics.mean_absolute_error`."""
-        return cls._of(np.abs(_errors(labels, predictions)), weights, mask, "labels")
+    _values = staticmethod(_absolute_errors)
 
 
 def mean_squared_error(
