@@ -1,0 +1,80 @@
+"""Smoke test: every benchmark runs end to end with ``--quick`` and prints its table rows.
+
+Not a timing assertion: the numbers of a quick run on a shared CI machine mean nothing. It
+checks that each ``python -m benchmarks.<name>`` entry point still works against the current
+estimator (the hand-written baselines, the estimator runs, the table) and that the rows the
+docs describe are there.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+
+import jax
+import pytest
+
+# (module, rows expected as (first cells...) of the table)
+EXPECTED = {
+    "train_throughput": [
+        ("mlp", "—", "per-step jit"),
+        ("mlp", "2", "ceiling"),
+        ("mlp", "2", "estimator"),
+    ],
+    "host_call_overhead": [
+        ("mlp", "2", "ceiling"),
+        ("mlp", "2", "estimator, no host_call"),
+        ("mlp", "2", "estimator, host_call every step"),
+    ],
+    "eval_throughput": [
+        ("mlp", "2", "hand-written"),
+        ("mlp", "2", "hand-written, streamed"),
+        ("mlp", "2", "estimator"),
+    ],
+    "input_overlap": [("mlp", "2", "1x")],
+    "startup": [("estimator", "cold"), ("estimator", "warm")],
+}
+
+
+def _rows(text: str) -> list[list[str]]:
+    lines = [ln for ln in text.splitlines() if ln.startswith("| ")]
+    return [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[1:]]  # no header
+
+
+def _matches(row: list[str], expected: tuple[str, ...]) -> bool:
+    """The row starts with the expected cells (a cell may add details after a space)."""
+    return all(c == e or c.startswith(e + " ") for c, e in zip(row, expected, strict=False))
+
+
+@pytest.fixture
+def fast_compiles():
+    """Compiles with most XLA optimizations off (as the repo's end-to-end tests do)."""
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
+
+
+def test_every_benchmark_runs_quick_and_prints_its_rows(capsys, fast_compiles):
+    for name, expected in EXPECTED.items():
+        module = importlib.import_module(f"benchmarks.{name}")
+        text = module.main(["--quick"])
+        assert text in capsys.readouterr().out, name
+        rows = _rows(text)
+        assert len(rows) == len(expected), (name, rows)
+        for row, want in zip(rows, expected, strict=True):
+            assert _matches(row, want), (name, row, want)
+            numbers = [
+                float(c.replace(",", ""))
+                for c in row[len(want) :]
+                if re.fullmatch(r"[\d,]+(\.\d+)?(e[-+]\d+)?", c)
+            ]
+            # the first number is a throughput or a time; none is negative
+            assert numbers and numbers[0] > 0 and min(numbers) >= 0, (name, row)
+        assert "Machine:" in text, name
+        if name == "eval_throughput":  # a repeated evaluate compiles nothing
+            header = text.splitlines()[2].strip("|").split("|")
+            column = [c.strip() for c in header].index("compiles per call")
+            assert [r[column] for r in rows if r[2] == "estimator"] == ["0"], rows
