@@ -87,6 +87,25 @@ class Timing(NamedTuple):
 
     wall: float
     per_step: float
+    compiles: int = 0  # XLA compilations during the run
+
+
+def warm_up(est: Any, input_fn: Callable, iterations_per_loop: int) -> None:
+    """Compiles everything a later ``train`` call runs: two loops, not one.
+
+    The first loop runs on the freshly initialised state and the second on the state the
+    loop returned; when their shardings differ (see docs/performance.md) the loop compiles
+    again at the second loop, which a one-loop warm-up would leave to the first timed run.
+    """
+    est.train(input_fn, steps=2 * iterations_per_loop)
+
+
+def timed_train(est: Any, input_fn: Callable, steps: int) -> Timing:
+    """``est.train(input_fn, steps=steps)``: wall, steady-state per step and compiles."""
+    timer = LoopTimer()
+    with CompileCounter().active() as counter:
+        wall = timed(lambda: est.train(input_fn, steps=steps, hooks=[timer]))
+    return Timing(wall, timer.per_step(), counter.compiled)
 
 
 def steady_per_step(stamps: Sequence[float], steps_between: int) -> float:

@@ -54,19 +54,18 @@ def estimator_case(
         host_call=host_call,
     )
     input_fn = W.input_fn_for(data, cycle=True)
-    est.train(input_fn, steps=s.ipl)  # compile
+    C.warm_up(est, input_fn, s.ipl)
 
     def run() -> C.Timing:
-        timer = C.LoopTimer()
         before = summaries_written(model_dir) if host_call else 0
-        wall = C.timed(lambda: est.train(input_fn, steps=s.steps, hooks=[timer]))
+        timing = C.timed_train(est, input_fn, s.steps)
         if host_call:
             written = summaries_written(model_dir) - before
             if written != s.steps:
                 raise AssertionError(
                     f"host_call wrote {written} host/loss summaries for {s.steps} steps"
                 )
-        return C.Timing(wall, timer.per_step())
+        return timing
 
     return run
 

@@ -74,7 +74,7 @@ def compiled_estimator(s: Setting, data: W.Dataset, model_dir: str):
     est = W.make_estimator(
         s.model, model_dir, global_batch=data.global_batch, iterations_per_loop=s.ipl
     )
-    est.train(W.input_fn_for(data, cycle=True), steps=s.ipl)
+    C.warm_up(est, W.input_fn_for(data, cycle=True), s.ipl)
     return est
 
 
