@@ -26,6 +26,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model_params = ml_collections.ConfigDict(
         {
             "depth": 18,
+            "stage_sizes": None,  # None: the depth's; e.g. (1, 1, 1, 1) for a quick test
             "stem": "cifar",
             "num_filters": 64,
             "num_classes": 10,

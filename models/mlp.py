@@ -78,7 +78,15 @@ def make_optimizer(params: dict) -> tuple[optax.GradientTransformation, optax.Sc
 
 
 def classifier_model_fn(module: nn.Module):
-    """A model_fn for any module mapping ``features`` to class logits."""
+    """A model_fn for any module mapping ``features`` to class logits.
+
+    Construct ``module`` inside your own model_fn (Flax modules bind to the estimator's scope
+    where they are created; one built outside raises ``CallCompactUnboundModuleError``):
+
+    Example:
+      >>> def model_fn(features, labels, mode, params):
+      ...     return classifier_model_fn(MLP(hidden=(64,)))(features, labels, mode, params)
+    """
 
     def model_fn(features, labels, mode, params):
         train = mode == estimator.ModeKeys.TRAIN

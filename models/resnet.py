@@ -146,26 +146,34 @@ class ResNet(nn.Module):
         return nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
 
 
-def resnet(depth: int, **kwargs) -> ResNet:
+def resnet(depth: int, *, stage_sizes: Sequence[int] | None = None, **kwargs) -> ResNet:
     """``ResNet`` of a standard depth (18, 34, 50, 101, 152).
+
+    Args:
+      depth: picks the block type (bottleneck from 50 on) and the blocks per stage.
+      stage_sizes: blocks per stage instead of the depth's (e.g. ``(1, 1, 1, 1)`` for a
+        quick test of the same block type); ``None`` uses ``STAGES[depth]``.
+      **kwargs: the other ``ResNet`` attributes.
 
     Raises:
       ValueError: an unknown ``depth``.
     """
     if depth not in STAGES:
         raise ValueError(f"ResNet depth={depth!r}; expected one of {sorted(STAGES)}")
-    return ResNet(STAGES[depth], bottleneck=depth >= 50, **kwargs)
+    stages = STAGES[depth] if stage_sizes is None else tuple(int(n) for n in stage_sizes)
+    return ResNet(stages, bottleneck=depth >= 50, **kwargs)
 
 
 def model_fn(features, labels, mode, params):
     """ResNet on image features.
 
-    ``params``: depth, num_classes, num_filters, stem, cross_replica_bn, bn_momentum, dtype
-    (``"float32"`` or ``"bfloat16"``), plus the optimizer fields of
-    ``models.mlp.make_optimizer`` (``optimizer="momentum"`` for the usual SGD recipe).
+    ``params``: depth, stage_sizes (``None``: the depth's), num_classes, num_filters, stem,
+    cross_replica_bn, bn_momentum, dtype (``"float32"`` or ``"bfloat16"``), plus the optimizer
+    fields of ``models.mlp.make_optimizer`` (``optimizer="momentum"`` for the usual SGD recipe).
     """
     module = resnet(
         int(params.get("depth", 50)),
+        stage_sizes=params.get("stage_sizes"),
         num_classes=params.get("num_classes", 1000),
         num_filters=params.get("num_filters", 64),
         stem=params.get("stem", "imagenet"),

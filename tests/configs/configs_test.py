@@ -8,7 +8,10 @@ import pytest
 from tests.configs._jobs import build_job, config_names, count_examples
 
 _COMMON = {"save_checkpoints_steps": 2, "log_step_count_steps": 0, "save_summary_steps": 0}
+# Two steps in one device loop (max_steps == iterations_per_loop): one train compile.
+_TWO_STEPS = {"max_steps": 2, "iterations_per_loop": 2}
 _IMAGES = {
+    **_TWO_STEPS,
     "image_size": (16, 16, 3),
     "num_train_examples": 32,
     "num_eval_examples": 20,
@@ -16,22 +19,21 @@ _IMAGES = {
     "eval_batch_size": 16,
     "predict_batch_size": 16,
     "model_params.num_filters": 4,
-    "max_steps": 2,
+    # One block per stage: every stage transition (strided, projected shortcut) of the same
+    # block type in a graph that compiles quickly. Full depths: resnet_test.py's counts.
+    "model_params.stage_sizes": (1, 1, 1, 1),
+    "unroll_loops": False,
 }
 
 # What each config is shrunk to; a config missing here fails test_every_config_is_covered.
 SHRINK = {
-    "digits_mlp": {"max_steps": 4, "iterations_per_loop": 2, "model_params.hidden": (16,)},
-    "digits_mlp_small": {"max_steps": 4, "iterations_per_loop": 2},
-    "digits_cnn": {
-        "max_steps": 4,
-        "iterations_per_loop": 2,
-        "model_params.features": (4, 8),
-        "model_params.dense": 16,
-    },
-    "resnet18_cifar_synthetic": dict(_IMAGES),
-    "resnet50_imagenet_synthetic": dict(_IMAGES, image_size=(32, 32, 3)),
+    "digits_mlp": {**_TWO_STEPS, "model_params.hidden": (16,)},
+    "digits_mlp_small": _TWO_STEPS,
+    "digits_cnn": {**_TWO_STEPS, "model_params.features": (4, 8), "model_params.dense": 16},
+    "resnet18_cifar_synthetic": _IMAGES,
+    "resnet50_imagenet_synthetic": {**_IMAGES, "image_size": (32, 32, 3)},
     "transformer_lm": {
+        **_TWO_STEPS,
         "text_source": "zen",
         "seq_len": 16,
         "model_params.max_len": 16,
@@ -41,8 +43,6 @@ SHRINK = {
         "train_batch_size": 16,
         "eval_batch_size": 16,
         "predict_batch_size": 16,
-        "max_steps": 4,
-        "iterations_per_loop": 2,
     },
 }
 # Convolution-heavy graphs are compile-bound here: compile them with optimizations off.

@@ -60,7 +60,7 @@ def test_loss_decreases_on_its_text_and_eval_reports_perplexity(tmp_path):
         train_batch_size=32,
         eval_batch_size=16,
         predict_batch_size=16,
-        iterations_per_loop=20,
+        iterations_per_loop=80,
         log_step_count_steps=0,
         save_summary_steps=0,
         save_checkpoints_steps=1000,
