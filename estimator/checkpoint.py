@@ -90,6 +90,23 @@ def describe_mismatch(saved: dict[str, tuple], wanted: dict[str, tuple], item: s
     return out
 
 
+_HANDLER_SET: list[bool] = []
+
+
+def _cpu_array_handler() -> None:
+    """On CPU, saves arrays without Orbax's replica-parallel slicing.
+
+    Replica-parallel saving compiles a slice program per device and array shape on the first
+    save (most of a small job's start-up compiles, 2.35 s and 87 MiB against 0.13 s and 6 MiB
+    measured); it only pays off when many accelerators share the writing.
+    """
+    if _HANDLER_SET or jax.default_backend() != "cpu":
+        return
+    ocp.type_handlers.register_type_handler(
+        jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+    _HANDLER_SET.append(True)
+
+
 class Checkpoints:
     """One model_dir's checkpoints.
 
@@ -100,6 +117,7 @@ class Checkpoints:
     """
 
     def __init__(self, model_dir: str, *, max_to_keep: int | None = 5, read_only: bool = False):
+        _cpu_array_handler()
         self.directory = checkpoint_dir(model_dir)
         self.read_only = read_only
         options = ocp.CheckpointManagerOptions(

@@ -83,8 +83,8 @@ def _variables(params: Any, state: dict) -> dict:
 
 
 def _scan(step_fn, carry, xs, unroll: bool):
-    n = jax.tree.leaves(xs)[0].shape[0]
-    return lax.scan(step_fn, carry, xs, unroll=n if unroll else 1)
+    # unroll=0 unrolls fully even for n=1 (unroll=n or True still emits a while loop then).
+    return lax.scan(step_fn, carry, xs, unroll=0 if unroll else 1)
 
 
 def constrain(tree: Any, specs: Any) -> Any:

@@ -123,6 +123,12 @@ def fresh_train_state(est, chunk: Chunk, batch_size: int, make_init_fn=None) -> 
     params, _ = _split(variables)
     tx = est._holder[ModeKeys.TRAIN].train_op
     opt_state = jax.jit(tx.init)(params)  # slots take their parameter's sharding
+    # Scalars such as Adam's count come back on one device: put them on the mesh, or the
+    # second loop call would see a new input sharding and compile again.
+    replicated = NamedSharding(est.mesh, P())
+    opt_state = jax.tree.map(
+        lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated),
+        opt_state)
     train = {"opt_state": opt_state,
              **_place(est, {"step": jnp.int32(0), "rng": args[0], "nonfinite": jnp.int32(0)})}
     return to_train_state(variables, train)

@@ -202,7 +202,9 @@ class TPUEstimator:
         key = (kind, batch_size)
         if key not in self._compiled:
             tpu = self._config.tpu_config
-            unroll = bool(tpu.unroll_loops)
+            unroll = tpu.unroll_loops
+            if unroll is None:  # XLA:CPU runs convolutions in rolled loops slowly
+                unroll = jax.default_backend() == "cpu" and tpu.iterations_per_loop <= 10
             if kind == "init_train":
                 fn = make_init(self._model, self._mesh, self._holder, mode=ModeKeys.TRAIN,
                                batch_size=batch_size)
