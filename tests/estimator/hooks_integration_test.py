@@ -224,27 +224,36 @@ def test_train_and_evaluate_compiles_each_loop_once(tmp_path):
 
 
 class _Logs(logging.Handler):
+    """Collects the estimator's log lines at INFO, whatever level earlier code set."""
+
     def __init__(self):
         super().__init__()
         self.lines = []
+        self._logger = logging.getLogger("estimator")
 
     def emit(self, record):
         self.lines.append(record.getMessage())
+
+    def __enter__(self):
+        self._level = self._logger.level
+        self._logger.setLevel(logging.INFO)
+        self._logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        self._logger.removeHandler(self)
+        self._logger.setLevel(self._level)
 
 
 @pytest.mark.parametrize("use_tpu", [True, False])
 def test_progress_lines_on_every_backend(tmp_path, use_tpu):
     x, y = h.make_data()
-    logs = _Logs()
-    logging.getLogger("estimator").addHandler(logs)
-    try:
+    with _Logs() as logs:
         est = estimator.TPUEstimator(
             h.model_fn, config=h.config(tmp_path, iterations_per_loop=2, log_step_count_steps=2),
             use_tpu=use_tpu, train_batch_size=16, eval_batch_size=16)
         est.train(h.train_input_fn(x, y), max_steps=6)
         est.evaluate(h.eval_input_fn(x, y))
-    finally:
-        logging.getLogger("estimator").removeHandler(logs)
     text = "\n".join(logs.lines)
     assert "Training on" in text and "parameters" in text
     assert "loss = " in text and ", step = 6 (" in text
@@ -263,13 +272,9 @@ def test_logged_loss_is_the_replica_and_loop_mean(tmp_path):
         def after_run(self, run_context, run_values):
             got.append(run_values.results)
 
-    logs = _Logs()
-    logging.getLogger("estimator").addHandler(logs)
-    try:
+    with _Logs() as logs:
         _est(tmp_path, ipl=4, log_step_count_steps=4).train(
             h.train_input_fn(x, y), max_steps=4, hooks=[Loss()])
-    finally:
-        logging.getLogger("estimator").removeHandler(logs)
     line = next(l for l in logs.lines if l.startswith("loss = "))
     assert float(line.split("=")[1].split(",")[0]) == pytest.approx(float(np.mean(got[0])))
 
