@@ -103,7 +103,8 @@ def _cpu_array_handler() -> None:
     if _HANDLER_SET or jax.default_backend() != "cpu":
         return
     ocp.type_handlers.register_type_handler(
-        jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+        jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True
+    )
     _HANDLER_SET.append(True)
 
 

@@ -23,19 +23,26 @@ log = logging.getLogger("estimator")
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict[str, str]]:
-    parser = argparse.ArgumentParser(prog="tpu-estimator", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="tpu-estimator",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("command", nargs="?", default="train_and_evaluate", choices=COMMANDS)
     parser.add_argument("--config", default=None, help="a config file with get_config()")
     parser.add_argument("--model_dir", default=None, help="checkpoints and summaries")
     parser.add_argument("--export_dir", default=None, help="export: where to write")
-    parser.add_argument("--num_processes", type=int, default=1,
-                        help="start this many local processes (multi-host simulation)")
+    parser.add_argument(
+        "--num_processes",
+        type=int,
+        default=1,
+        help="start this many local processes (multi-host simulation)",
+    )
     overrides: dict[str, str] = {}
     rest = []
     for arg in argv:
         if arg.startswith("--config."):
-            key, sep, value = arg[len("--config."):].partition("=")
+            key, sep, value = arg[len("--config.") :].partition("=")
             if not sep:
                 parser.error(f"{arg}: expected --config.key=value")
             overrides[key] = value
@@ -71,9 +78,14 @@ def run(args: argparse.Namespace, overrides: dict[str, str]) -> dict:
         path = export_lib.export_from_config(est, config, args.export_dir or model_dir + "/export")
         return {"export_dir": path}
     results, _ = train_and_evaluate(
-        est, TrainSpec(input_fns["train"], max_steps=config.max_steps),
-        EvalSpec(input_fns["eval"], steps=eval_steps, throttle_secs=config.get("throttle_secs", 0),
-                 start_delay_secs=0),
+        est,
+        TrainSpec(input_fns["train"], max_steps=config.max_steps),
+        EvalSpec(
+            input_fns["eval"],
+            steps=eval_steps,
+            throttle_secs=config.get("throttle_secs", 0),
+            start_delay_secs=0,
+        ),
     )
     return results
 
@@ -83,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_processes > 1:
         from .launch import launch_local, strip_num_processes
 
-        return launch_local(args.num_processes,
-                            strip_num_processes(sys.argv[1:] if argv is None else argv))
+        return launch_local(
+            args.num_processes, strip_num_processes(sys.argv[1:] if argv is None else argv)
+        )
     results = run(args, overrides)
     print(json.dumps(_json_ready(results), sort_keys=True, default=str))
     return 0

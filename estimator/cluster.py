@@ -46,8 +46,7 @@ TIMEOUT_ENV = {
     "heartbeat_timeout": "TPU_ESTIMATOR_HEARTBEAT_TIMEOUT",
     "shutdown_timeout": "TPU_ESTIMATOR_SHUTDOWN_TIMEOUT",
 }
-_DEFAULT_TIMEOUTS = {"initialization_timeout": 300, "heartbeat_timeout": 60,
-                     "shutdown_timeout": 60}
+_DEFAULT_TIMEOUTS = {"initialization_timeout": 300, "heartbeat_timeout": 60, "shutdown_timeout": 60}
 _LOCAL_TPU_NAMES = ("", "local")
 _connected: dict[str, Any] = {}  # what this process connected with (once per process)
 
@@ -186,8 +185,9 @@ class TPUClusterResolver:
         if text and tpu in (None, *_LOCAL_TPU_NAMES):
             parsed = parse_tf_config(text, variable=env_var)
             self._workers, self._chief = parsed["workers"], parsed["chief"]
-            coordinator_address = _merge("coordinator_address", coordinator_address,
-                                         self._workers[0], env_var)
+            coordinator_address = _merge(
+                "coordinator_address", coordinator_address, self._workers[0], env_var
+            )
             num_processes = _merge("num_processes", num_processes, len(self._workers), env_var)
             process_id = _merge("process_id", process_id, parsed["process_id"], env_var)
         self.coordinator_address = coordinator_address
@@ -265,8 +265,11 @@ class TPUClusterResolver:
         mode = self.mode
         if mode == "local":
             return
-        wanted = {"coordinator_address": self.coordinator_address,
-                  "num_processes": self.num_processes, "process_id": self.process_id}
+        wanted = {
+            "coordinator_address": self.coordinator_address,
+            "num_processes": self.num_processes,
+            "process_id": self.process_id,
+        }
         if _connected:
             _check_same_job(_connected, wanted)
             return
@@ -284,9 +287,12 @@ class TPUClusterResolver:
                 "or TPUStrategy (or call connect()) first in the program"
             )
         kwargs = {k: v for k, v in wanted.items() if v is not None}
-        log.info("Joining a %s-process job (process %s, coordinator %s).",
-                 self.num_processes or "?", self.process_id if self.process_id is not None
-                 else "?", self.coordinator_address or "auto-detected")
+        log.info(
+            "Joining a %s-process job (process %s, coordinator %s).",
+            self.num_processes or "?",
+            self.process_id if self.process_id is not None else "?",
+            self.coordinator_address or "auto-detected",
+        )
         try:
             jax.distributed.initialize(
                 **kwargs,
@@ -305,13 +311,20 @@ class TPUClusterResolver:
             self.num_processes = jax.process_count()
             self.process_id = jax.process_index()
         _use_distributed_checkpoint_barriers()
-        log.info("Process %d of %d: %d local devices, %d in all.", jax.process_index(),
-                 jax.process_count(), jax.local_device_count(), jax.device_count())
+        log.info(
+            "Process %d of %d: %d local devices, %d in all.",
+            jax.process_index(),
+            jax.process_count(),
+            jax.local_device_count(),
+            jax.device_count(),
+        )
 
     def __repr__(self) -> str:
-        return (f"TPUClusterResolver(mode={self.mode!r}, coordinator_address="
-                f"{self.coordinator_address!r}, num_processes={self.num_processes}, "
-                f"process_id={self.process_id})")
+        return (
+            f"TPUClusterResolver(mode={self.mode!r}, coordinator_address="
+            f"{self.coordinator_address!r}, num_processes={self.num_processes}, "
+            f"process_id={self.process_id})"
+        )
 
 
 def _merge(name: str, given: Any, from_env: Any, env_var: str) -> Any:
@@ -346,8 +359,11 @@ def _use_distributed_checkpoint_barriers() -> None:
         flag.value = True
         flag.present = max(int(flag.present), 1)  # readable before absl parses argv
     except Exception as e:  # noqa: BLE001 - an Orbax without the flag
-        log.warning("Could not switch Orbax to distributed barriers (%s); checkpoints written "
-                    "while training may stall on many processes.", e)
+        log.warning(
+            "Could not switch Orbax to distributed barriers (%s); checkpoints written "
+            "while training may stall on many processes.",
+            e,
+        )
 
 
 def start_cluster(cluster: Any, *, model_dir: str | None) -> None:

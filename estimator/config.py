@@ -125,7 +125,8 @@ class RunConfig:
         if not isinstance(self.tpu_config, TPUConfig):
             raise TypeError(f"tpu_config must be a TPUConfig, got {type(self.tpu_config)}")
         if self.model_dir is not None and (
-            not isinstance(self.model_dir, (str, bytes)) and not hasattr(self.model_dir, "__fspath__")
+            not isinstance(self.model_dir, (str, bytes))
+            and not hasattr(self.model_dir, "__fspath__")
         ):
             raise TypeError(f"model_dir must be a path, got {self.model_dir!r}")
         if self.model_dir is not None:
@@ -133,9 +134,7 @@ class RunConfig:
             if not self.model_dir:
                 raise ValueError("model_dir must be a non-empty path")
         if self.save_checkpoints_steps is not None and self.save_checkpoints_secs is not None:
-            raise ValueError(
-                "save_checkpoints_steps and save_checkpoints_secs cannot both be set"
-            )
+            raise ValueError("save_checkpoints_steps and save_checkpoints_secs cannot both be set")
         _positive_int("save_checkpoints_steps", self.save_checkpoints_steps)
         if self.save_checkpoints_secs is not None and self.save_checkpoints_secs <= 0:
             raise ValueError(

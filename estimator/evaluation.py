@@ -19,8 +19,9 @@ from .state import restore_variables
 log = logging.getLogger("estimator")
 
 
-def _loops(est, input_fn, mode: str, *, steps: int | None, hooks, checkpoint_path,
-           fetch=multihost.to_host) -> Iterator:
+def _loops(
+    est, input_fn, mode: str, *, steps: int | None, hooks, checkpoint_path, fetch=multihost.to_host
+) -> Iterator:
     """Yields ``(chunk, outputs, global_step)`` per device loop, hooks run around each.
 
     ``fetch`` copies the loop's outputs to the host (default: every row, on every process).
@@ -40,7 +41,9 @@ def _loops(est, input_fn, mode: str, *, steps: int | None, hooks, checkpoint_pat
     try:
         chunk = next(prefetch, None)
         if chunk is None:
-            raise ValueError(f"input_fn produced no batches to {'evaluate' if mode == 'eval' else 'predict'}")
+            raise ValueError(
+                f"input_fn produced no batches to {'evaluate' if mode == 'eval' else 'predict'}"
+            )
         est._model.check_labels(pipe.has_labels)
         batch = jax.tree.leaves(chunk.features)[0].shape[1] // est.num_replicas
         variables, global_step = restore_variables(est, mode, chunk, batch, checkpoint_path)
@@ -49,9 +52,11 @@ def _loops(est, input_fn, mode: str, *, steps: int | None, hooks, checkpoint_pat
         if mode == ModeKeys.PREDICT:
             _check_predictions(spec.predictions, batch)
         spec_hooks = spec.evaluation_hooks if mode == ModeKeys.EVAL else spec.prediction_hooks
-        runner = HookRunner(list(spec_hooks) + list(hooks or ()),
-                            Session(mode=mode, model_dir=est.model_dir, global_step=global_step),
-                            examples_per_step=est._batch[mode] or 0)
+        runner = HookRunner(
+            list(spec_hooks) + list(hooks or ()),
+            Session(mode=mode, model_dir=est.model_dir, global_step=global_step),
+            examples_per_step=est._batch[mode] or 0,
+        )
         runner.begin()
         runner.after_create_session()
         rng = jax.device_put(seed_key_data(est.config.tf_random_seed))
@@ -60,9 +65,7 @@ def _loops(est, input_fn, mode: str, *, steps: int | None, hooks, checkpoint_pat
         while chunk is not None:
             counters = np.arange(done + 1, done + chunk.steps + 1)
             runner.before_run(counters)
-            outs = fetch(
-                loop(variables, step_arr, rng, chunk.features, chunk.labels, chunk.mask)
-            )
+            outs = fetch(loop(variables, step_arr, rng, chunk.features, chunk.labels, chunk.mask))
             done += chunk.steps
             yield chunk, outs, global_step
             values = {"loss": outs[0][: chunk.steps].mean(axis=1)} if mode == ModeKeys.EVAL else {}
@@ -104,7 +107,7 @@ def run_eval_loops(est, input_fn, mode: str, *, steps, hooks, checkpoint_path, n
     acc = MetricAccumulator()
     loss_sum, count, global_step = 0.0, 0, 0
     try:
-        for chunk, (losses, tensors), global_step in _loops(
+        for chunk, (losses, tensors), global_step in _loops(  # noqa: B007 (read after the loop)
             est, input_fn, mode, steps=steps, hooks=hooks, checkpoint_path=checkpoint_path
         ):
             mask = _dedupe_broadcast(est, chunk.host_mask)
@@ -130,8 +133,11 @@ def run_eval_loops(est, input_fn, mode: str, *, steps, hooks, checkpoint_path, n
 
 
 def _write_results(est, results: dict, name: str | None) -> None:
-    log.info("Saving dict for global step %d: %s", results["global_step"],
-             ", ".join(f"{k} = {v}" for k, v in sorted(results.items())))
+    log.info(
+        "Saving dict for global step %d: %s",
+        results["global_step"],
+        ", ".join(f"{k} = {v}" for k, v in sorted(results.items())),
+    )
     writer = summary.writer_for(est.eval_dir(name))
     if writer is None:
         return

@@ -19,8 +19,14 @@ from hooks.base import resolve_fetches
 class Session:
     """What hooks see as ``session``: the step, the directory, and a way to checkpoint."""
 
-    def __init__(self, *, mode: str, model_dir: str, global_step: int,
-                 save: Callable[[int | None], str | None] | None = None):
+    def __init__(
+        self,
+        *,
+        mode: str,
+        model_dir: str,
+        global_step: int,
+        save: Callable[[int | None], str | None] | None = None,
+    ):
         self.mode = mode
         self.model_dir = model_dir
         self.global_step = global_step
@@ -35,8 +41,9 @@ class Session:
 class HookRunner:
     """The SessionRunHook lifecycle over device loops."""
 
-    def __init__(self, hooks: Sequence[SessionRunHook], session: Session, *,
-                 examples_per_step: int = 0):
+    def __init__(
+        self, hooks: Sequence[SessionRunHook], session: Session, *, examples_per_step: int = 0
+    ):
         for h in hooks:
             if not isinstance(h, SessionRunHook):
                 raise TypeError(f"hooks must be SessionRunHook instances, given: {h!r}")

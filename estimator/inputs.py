@@ -30,8 +30,9 @@ log = logging.getLogger("estimator")
 _INPUT_FN_ARGS = ("params", "config", "mode", "input_context")
 
 
-def call_input_fn(input_fn: Callable, *, params: dict, config: Any, mode: str,
-                  input_context: InputContext) -> Iterator:
+def call_input_fn(
+    input_fn: Callable, *, params: dict, config: Any, mode: str, input_context: InputContext
+) -> Iterator:
     """Calls input_fn with the arguments it names and returns an iterator over its batches.
 
     Raises:
@@ -41,13 +42,15 @@ def call_input_fn(input_fn: Callable, *, params: dict, config: Any, mode: str,
     if not callable(input_fn):
         raise TypeError(f"input_fn must be callable, got {input_fn!r}")
     names = [
-        p.name for p in inspect.signature(input_fn).parameters.values()
+        p.name
+        for p in inspect.signature(input_fn).parameters.values()
         if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
     ]
     unknown = [n for n in names if n not in _INPUT_FN_ARGS]
     if unknown:
         raise ValueError(
-            f"input_fn has unexpected argument(s) {unknown}; it may take {', '.join(_INPUT_FN_ARGS)}"
+            f"input_fn has unexpected argument(s) {unknown}; "
+            f"it may take {', '.join(_INPUT_FN_ARGS)}"
         )
     if "params" not in names:
         raise ValueError("input_fn must take a 'params' argument (it carries the batch size)")
@@ -113,8 +116,11 @@ def split_element(element: Any) -> tuple[Any, Any]:
     return element, None
 
 
-_CANONICAL = {np.dtype(np.float64): np.float32, np.dtype(np.int64): np.int32,
-              np.dtype(np.uint64): np.uint32}
+_CANONICAL = {
+    np.dtype(np.float64): np.float32,
+    np.dtype(np.int64): np.int32,
+    np.dtype(np.uint64): np.uint32,
+}
 
 
 def _canonical(x: Any) -> np.ndarray:
@@ -165,9 +171,7 @@ def conform(tree: Any, sig: Signature, *, rows: int, allow_short: bool) -> tuple
     """
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
     if treedef != sig.treedef:
-        raise ValueError(
-            f"input batch structure changed: expected {sig.treedef}, got {treedef}"
-        )
+        raise ValueError(f"input batch structure changed: expected {sig.treedef}, got {treedef}")
     out, n = [], None
     for (path, x), shape, dtype in zip(leaves_with_path, sig.shapes, sig.dtypes):
         x = _canonical(x)
@@ -202,8 +206,9 @@ def conform(tree: Any, sig: Signature, *, rows: int, allow_short: bool) -> tuple
 
 def _pad(leaves: list, rows: int) -> list:
     return [
-        x if x.shape[0] == rows else
-        np.concatenate([x, np.zeros((rows - x.shape[0], *x.shape[1:]), x.dtype)])
+        x
+        if x.shape[0] == rows
+        else np.concatenate([x, np.zeros((rows - x.shape[0], *x.shape[1:]), x.dtype)])
         for x in leaves
     ]
 
@@ -231,8 +236,15 @@ class Pipeline:
       pad: whether a short final batch is padded (eval/predict) or dropped (train).
     """
 
-    def __init__(self, iterator: Iterator, *, mode_cfg: InputPipelineConfig, global_batch: int,
-                 num_replicas: int, pad: bool):
+    def __init__(
+        self,
+        iterator: Iterator,
+        *,
+        mode_cfg: InputPipelineConfig,
+        global_batch: int,
+        num_replicas: int,
+        pad: bool,
+    ):
         self.it = iterator
         self.mode_cfg = mode_cfg
         self.num_replicas = num_replicas
@@ -247,8 +259,9 @@ class Pipeline:
         self.has_labels: bool | None = None
         self.exhausted = False
         self.pulled = 0
-        self.stateful = all(callable(getattr(iterator, m, None))
-                            for m in ("get_state", "set_state"))
+        self.stateful = all(
+            callable(getattr(iterator, m, None)) for m in ("get_state", "set_state")
+        )
         self.positioned = False  # moved past earlier batches (skip or set_state)
 
     def get_state(self) -> Any:
@@ -297,8 +310,11 @@ class Pipeline:
             if got is None:
                 break
             leaves, n = got
-            if n < self.rows_per_pull and not self.pad and not self.positioned and (
-                self.pulled <= self.pulls_per_step
+            if (
+                n < self.rows_per_pull
+                and not self.pad
+                and not self.positioned
+                and (self.pulled <= self.pulls_per_step)
             ):
                 raise ValueError(
                     f"the first training batch has {n} rows, expected params['batch_size'] = "
@@ -308,7 +324,8 @@ class Pipeline:
             if n < self.rows_per_pull and not self.pad:
                 log.warning(
                     "Dropping a final partial training batch of %d rows (batch size %d).",
-                    n, self.rows_per_pull,
+                    n,
+                    self.rows_per_pull,
                 )
                 return None
             parts.append(_pad(leaves, self.rows_per_pull))

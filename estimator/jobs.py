@@ -26,7 +26,8 @@ def load_config(path: str | None = None) -> ml_collections.ConfigDict:
     path = path or DEFAULT_CONFIG
     if os.path.exists(path):
         spec = importlib.util.spec_from_file_location(
-            "_job_config_" + os.path.basename(path)[:-3], path)
+            "_job_config_" + os.path.basename(path)[:-3], path
+        )
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     else:

@@ -98,8 +98,9 @@ def child_envs(
     base = dict(os.environ if base_env is None else base_env)
     flags = base.get("XLA_FLAGS", "")
     share = _device_split(num_processes, total_devices, flags)
-    flags = " ".join([_DEVICE_FLAG.sub("", flags).strip(),
-                      f"--xla_force_host_platform_device_count={share}"]).strip()
+    flags = " ".join(
+        [_DEVICE_FLAG.sub("", flags).strip(), f"--xla_force_host_platform_device_count={share}"]
+    ).strip()
     ports = [port or free_port()] + [free_port() for _ in range(num_processes - 1)]
     workers = [f"127.0.0.1:{p}" for p in ports]
     unknown = sorted(set(timeouts or {}) - set(TIMEOUT_ENV))
@@ -168,8 +169,13 @@ def kill_all(procs: Sequence[subprocess.Popen]) -> None:
         p.wait()
 
 
-def wait_all(procs: Sequence[subprocess.Popen], *, timeout: float | None = None,
-             grace: float = 10.0, poll: float = 0.1) -> int:
+def wait_all(
+    procs: Sequence[subprocess.Popen],
+    *,
+    timeout: float | None = None,
+    grace: float = 10.0,
+    poll: float = 0.1,
+) -> int:
     """Waits for every child; 0 when all succeeded.
 
     When one fails the others get ``grace`` seconds to end (they should: JAX's heartbeats
@@ -231,15 +237,18 @@ def launch_local(
       for a killed process), or 124 on timeout.
     """
     argv = list(argv)
-    if command is None and not any(a == "--model_dir" or a.startswith("--model_dir=")
-                                   for a in argv):
+    if command is None and not any(
+        a == "--model_dir" or a.startswith("--model_dir=") for a in argv
+    ):
         argv += ["--model_dir", tempfile.mkdtemp(prefix="tpu_estimator_")]
     procs = start_local(num_processes, argv, command=command, **env_kwargs)
     threads = []
     for i, p in enumerate(procs):
         prefix = f"[process {i}] "
-        for stream, sink, pre in ((p.stdout, sys.stdout, "" if i == 0 else prefix),
-                                  (p.stderr, sys.stderr, prefix)):
+        for stream, sink, pre in (
+            (p.stdout, sys.stdout, "" if i == 0 else prefix),
+            (p.stderr, sys.stderr, prefix),
+        ):
             t = threading.Thread(target=_forward, args=(stream, sink, pre), daemon=True)
             t.start()
             threads.append(t)
@@ -257,29 +266,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m estimator.launch --num_processes N [options] -- PROGRAM ARGS...``."""
     parser = argparse.ArgumentParser(
         prog="python -m estimator.launch",
-        description="Run a Python program as N local processes of one JAX job.")
+        description="Run a Python program as N local processes of one JAX job.",
+    )
     parser.add_argument("--num_processes", type=int, required=True)
-    parser.add_argument("--total_devices", type=int, default=None,
-                        help="CPU devices over all processes (default 8)")
+    parser.add_argument(
+        "--total_devices", type=int, default=None, help="CPU devices over all processes (default 8)"
+    )
     parser.add_argument("--timeout", type=float, default=None, help="seconds in all")
-    parser.add_argument("--heartbeat_timeout", type=int, default=None,
-                        help="seconds after which a silent process counts as dead")
-    parser.add_argument("program", nargs=argparse.REMAINDER,
-                        help="what python runs: script.py args, or -m module args")
+    parser.add_argument(
+        "--heartbeat_timeout",
+        type=int,
+        default=None,
+        help="seconds after which a silent process counts as dead",
+    )
+    parser.add_argument(
+        "program",
+        nargs=argparse.REMAINDER,
+        help="what python runs: script.py args, or -m module args",
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     program = args.program[1:] if args.program[:1] == ["--"] else args.program
     if not program:
         parser.error("give the program to run after --")
-    timeouts = {} if args.heartbeat_timeout is None else {
-        "heartbeat_timeout": args.heartbeat_timeout}
+    timeouts = (
+        {} if args.heartbeat_timeout is None else {"heartbeat_timeout": args.heartbeat_timeout}
+    )
     if program[0] == "-m":
         if len(program) < 2:
             parser.error("-m needs a module name")
         command, rest = [sys.executable, "-m", program[1]], program[2:]
     else:
         command, rest = [sys.executable], program
-    return launch_local(args.num_processes, rest, command=command, timeout=args.timeout,
-                        total_devices=args.total_devices, timeouts=timeouts)
+    return launch_local(
+        args.num_processes,
+        rest,
+        command=command,
+        timeout=args.timeout,
+        total_devices=args.total_devices,
+        timeouts=timeouts,
+    )
 
 
 if __name__ == "__main__":

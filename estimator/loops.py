@@ -97,9 +97,12 @@ def constrain(tree: Any, specs: Any) -> Any:
     if isinstance(specs, P):
         return jax.tree.map(lambda a: lax.with_sharding_constraint(a, specs), tree)
     return jax.tree.map(
-        lambda s, a: a if s is None else jax.tree.map(
-            lambda x: lax.with_sharding_constraint(x, s), a),
-        specs, tree, is_leaf=lambda s: s is None or isinstance(s, P),
+        lambda s, a: (
+            a if s is None else jax.tree.map(lambda x: lax.with_sharding_constraint(x, s), a)
+        ),
+        specs,
+        tree,
+        is_leaf=lambda s: s is None or isinstance(s, P),
     )
 
 
@@ -120,8 +123,9 @@ def make_train_loop(
     over ``"model"``; ``input_specs`` (features, labels) splits inputs spatially.
     """
     param_specs = None if var_specs is None else var_specs.get("params")
-    state_specs = None if var_specs is None else {
-        k: v for k, v in var_specs.items() if k != "params"}
+    state_specs = (
+        None if var_specs is None else {k: v for k, v in var_specs.items() if k != "params"}
+    )
 
     def step_fn(state: TrainState, batch: tuple):
         features, labels = constrain(batch[0], input_specs[0]), constrain(batch[1], input_specs[1])
@@ -131,8 +135,15 @@ def make_train_loop(
 
         def loss_fn(params):
             spec, new_state = model.apply(
-                _variables(params, state.state), features, labels, mode=ModeKeys.TRAIN,
-                batch_size=batch_size, mask=mask, step=state.step, rngs=rngs, mutable=mutable,
+                _variables(params, state.state),
+                features,
+                labels,
+                mode=ModeKeys.TRAIN,
+                batch_size=batch_size,
+                mask=mask,
+                step=state.step,
+                rngs=rngs,
+                mutable=mutable,
             )
             holder[ModeKeys.TRAIN] = spec
             return _scalar_loss(spec), (new_state, host_tensors(spec.host_call))
@@ -167,8 +178,16 @@ def make_train_loop(
     return jax.jit(sharded, donate_argnums=0)
 
 
-def make_eval_loop(model: ModelFn, mesh: Mesh, holder: SpecHolder, *, mode: str, batch_size: int,
-                   unroll: bool = False, input_specs: tuple = (None, None)):
+def make_eval_loop(
+    model: ModelFn,
+    mesh: Mesh,
+    holder: SpecHolder,
+    *,
+    mode: str,
+    batch_size: int,
+    unroll: bool = False,
+    input_specs: tuple = (None, None),
+):
     """EVAL: ``loop(variables, step, rng, batch) -> (loss[n, R], metric tensors[n, GB, ...])``.
 
     PREDICT: the same signature returning ``predictions[n, GB, ...]``.
@@ -180,8 +199,14 @@ def make_eval_loop(model: ModelFn, mesh: Mesh, holder: SpecHolder, *, mode: str,
         features, labels = constrain(features, input_specs[0]), constrain(labels, input_specs[1])
         rngs = step_rngs(jax.random.wrap_key_data(rng), step, lax.axis_index(DATA))
         spec, _ = model.apply(
-            variables, features, labels, mode=mode, batch_size=batch_size, mask=mask,
-            step=step, rngs=rngs,
+            variables,
+            features,
+            labels,
+            mode=mode,
+            batch_size=batch_size,
+            mask=mask,
+            step=step,
+            rngs=rngs,
         )
         holder[mode] = spec
         if mode == ModeKeys.PREDICT:

@@ -136,8 +136,11 @@ class ModelFn:
         if batch_size is not None:
             params["batch_size"] = batch_size
         params["context"] = TPUContext(
-            mode=mode, num_replicas=self.num_replicas, num_hosts=jax.process_count(),
-            num_cores_per_replica=self.num_cores_per_replica)
+            mode=mode,
+            num_replicas=self.num_replicas,
+            num_hosts=jax.process_count(),
+            num_cores_per_replica=self.num_cores_per_replica,
+        )
         return _Root(self.fn, self.arg_names, mode, params, self.config)
 
     def init(self, rngs: dict, features, labels, *, mode: str, batch_size: int | None, mask, step):

@@ -251,7 +251,10 @@ class SyncedChunks:
                 chunk = chunk._replace(
                     features=jax.tree.map(lambda x: _truncate(x, n), chunk.features),
                     labels=jax.tree.map(lambda x: _truncate(x, n), chunk.labels),
-                    mask=_truncate(chunk.mask, n), host_mask=chunk.host_mask[:n], steps=n)
+                    mask=_truncate(chunk.mask, n),
+                    host_mask=chunk.host_mask[:n],
+                    steps=n,
+                )
         return chunk._replace(host_mask=to_host(chunk.mask) > 0)
 
     def _empty_chunk(self, n: int):
@@ -266,7 +269,8 @@ class SyncedChunks:
         host_mask = np.stack([s[1] for s in steps])
         features, labels = jax.tree.unflatten(pipe.sig.treedef, leaves)
         features, labels, mask = global_batch(
-            (features, labels, host_mask.astype(np.float32)), self._mesh)
+            (features, labels, host_mask.astype(np.float32)), self._mesh
+        )
         from .inputs import Chunk
 
         return Chunk(features, labels, mask, host_mask, 0, 0, pipe.get_state())

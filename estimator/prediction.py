@@ -24,17 +24,34 @@ def _select(predictions, keys: Sequence[str] | None):
     return {k: predictions[k] for k in keys}
 
 
-def run_predict_loops(est, input_fn, *, predict_keys, hooks, checkpoint_path,
-                      yield_single_examples: bool, gather: bool = False) -> Iterator:
+def run_predict_loops(
+    est,
+    input_fn,
+    *,
+    predict_keys,
+    hooks,
+    checkpoint_path,
+    yield_single_examples: bool,
+    gather: bool = False,
+) -> Iterator:
     """Yields the predictions of this process's examples; with ``gather`` (many processes)
     process 0 yields every process's examples in global order and the others none."""
     if gather:
         fetch = multihost.to_host
     else:
+
         def fetch(outs):
             return multihost.local_to_host(outs, est.mesh)
-    for chunk, preds, _ in _loops(est, input_fn, ModeKeys.PREDICT, steps=None, hooks=hooks,
-                                  checkpoint_path=checkpoint_path, fetch=fetch):
+
+    for chunk, preds, _ in _loops(
+        est,
+        input_fn,
+        ModeKeys.PREDICT,
+        steps=None,
+        hooks=hooks,
+        checkpoint_path=checkpoint_path,
+        fetch=fetch,
+    ):
         if gather and not multihost.is_process_0():
             continue  # the loops still run here: every process takes part in each of them
         preds = _select(preds, predict_keys)

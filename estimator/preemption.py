@@ -45,8 +45,10 @@ class Preempted(SystemExit):
         self.checkpoint = checkpoint
 
     def __str__(self) -> str:
-        return (f"preempted (SIGTERM): checkpoint of step {self.global_step} saved to "
-                f"{self.checkpoint}; exiting with status {EXIT_STATUS}")
+        return (
+            f"preempted (SIGTERM): checkpoint of step {self.global_step} saved to "
+            f"{self.checkpoint}; exiting with status {EXIT_STATUS}"
+        )
 
 
 class PreemptionWatcher:
@@ -65,8 +67,10 @@ class PreemptionWatcher:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if not self.requested:
-            log.warning("Received signal %d: saving a checkpoint at the end of this loop, "
-                        "then stopping.", signum)
+            log.warning(
+                "Received signal %d: saving a checkpoint at the end of this loop, then stopping.",
+                signum,
+            )
         self.requested = True
 
     def __enter__(self) -> PreemptionWatcher:

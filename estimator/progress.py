@@ -19,8 +19,9 @@ def count_parameters(params: Any) -> int:
     return int(sum(np.prod(np.shape(x)) for x in jax.tree.leaves(params)))
 
 
-def log_startup_summary(est, *, global_batch: int, replica_batch: int, params: Any,
-                        start_step: int, target: int | None) -> None:
+def log_startup_summary(
+    est, *, global_batch: int, replica_batch: int, params: Any, start_step: int, target: int | None
+) -> None:
     """One block at the start of training: devices, mesh, batch sizes and parameter count."""
     devices = est.mesh.devices.reshape(-1)
     kinds = sorted({d.device_kind for d in devices})
@@ -28,10 +29,18 @@ def log_startup_summary(est, *, global_batch: int, replica_batch: int, params: A
         "Training on %d %s device(s) (%s), %d process(es); mesh %s; global batch %d, "
         "per-replica batch %d, %d replica(s); %s parameters; iterations_per_loop %d; "
         "from step %d%s.",
-        len(devices), devices[0].platform, ", ".join(kinds), jax.process_count(),
-        dict(est.mesh.shape), global_batch, replica_batch, est.num_replicas,
-        f"{count_parameters(params):,}", est.config.tpu_config.iterations_per_loop,
-        start_step, "" if target is None else f" to step {target}",
+        len(devices),
+        devices[0].platform,
+        ", ".join(kinds),
+        jax.process_count(),
+        dict(est.mesh.shape),
+        global_batch,
+        replica_batch,
+        est.num_replicas,
+        f"{count_parameters(params):,}",
+        est.config.tpu_config.iterations_per_loop,
+        start_step,
+        "" if target is None else f" to step {target}",
     )
 
 
@@ -53,8 +62,9 @@ class ProgressBarHook(hooks_lib.SessionRunHook):
     def begin(self) -> None:
         from tqdm.auto import tqdm
 
-        self._bar = tqdm(total=self._total, initial=self._start, unit="step",
-                         dynamic_ncols=True, leave=False)
+        self._bar = tqdm(
+            total=self._total, initial=self._start, unit="step", dynamic_ncols=True, leave=False
+        )
 
     def before_run(self, run_context):
         return hooks_lib.SessionRunArgs("loss")

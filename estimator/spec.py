@@ -56,7 +56,9 @@ def validate_host_fn_tuple(value: Any, field: str) -> None:
       ValueError/TypeError naming ``field`` and, for a tensor, its position or key.
     """
     if not isinstance(value, (tuple, list)) or len(value) != 2:
-        raise ValueError(f"{field} should be a tuple/list of 2 elements (fn, tensors), got {value!r}")
+        raise ValueError(
+            f"{field} should be a tuple/list of 2 elements (fn, tensors), got {value!r}"
+        )
     fn, tensors = value
     if not callable(fn):
         raise TypeError(f"{field}[0] (the function) must be callable, got {fn!r}")
@@ -66,9 +68,10 @@ def validate_host_fn_tuple(value: Any, field: str) -> None:
         items = list(enumerate(tensors))
         required, maximum, varargs = _arg_count(fn, field)
         if not varargs and not (required <= len(tensors) <= maximum):
+            takes = required if required == maximum else f"{required}-{maximum}"
             raise ValueError(
-                f"In {field}, the function takes {required if required == maximum else f'{required}-{maximum}'}"
-                f" positional arguments but {len(tensors)} tensors were given"
+                f"In {field}, the function takes {takes} positional arguments but "
+                f"{len(tensors)} tensors were given"
             )
     else:
         raise TypeError(
@@ -255,5 +258,7 @@ def as_tpu_spec(spec: Any, mode: str) -> TPUEstimatorSpec:
             f"model_fn must return a TPUEstimatorSpec (or EstimatorSpec), got {type(spec).__name__}"
         )
     if spec.mode != mode:
-        raise ValueError(f"model_fn was called in mode {mode!r} but returned a spec for {spec.mode!r}")
+        raise ValueError(
+            f"model_fn was called in mode {mode!r} but returned a spec for {spec.mode!r}"
+        )
     return spec

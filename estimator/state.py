@@ -29,9 +29,7 @@ def first_batch(chunk: Chunk) -> tuple[Any, Any]:
 
 def _replicated(est, tree: Any) -> Any:
     sharding = NamedSharding(est.mesh, P())
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree
-    )
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
 def _place(est, tree: Any) -> Any:
@@ -67,8 +65,9 @@ def _sharded(est, boxed: dict) -> tuple[dict, Any]:
     PartitionSpecs on the estimator for the loops (``nn.with_partitioning`` over "model")."""
     specs = partitioning.param_specs(boxed)
     est._var_specs = specs
-    shardings = jax.tree.map(lambda spec: NamedSharding(est.mesh, spec), specs,
-                             is_leaf=lambda x: isinstance(x, P))
+    shardings = jax.tree.map(
+        lambda spec: NamedSharding(est.mesh, spec), specs, is_leaf=lambda x: isinstance(x, P)
+    )
     return partitioning.unbox(boxed), shardings
 
 
@@ -76,9 +75,11 @@ def abstract_variables(est, mode: str, chunk: Chunk, batch_size: int) -> dict:
     """Shapes of every variable, by tracing model_fn in ``mode`` (nothing is computed)."""
     init = est._loop(f"init_{mode}", batch_size)
     variables, shardings = _sharded(
-        est, _trace(est, mode, chunk, jax.eval_shape, init, *_init_args(est, chunk)))
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        variables, shardings)
+        est, _trace(est, mode, chunk, jax.eval_shape, init, *_init_args(est, chunk))
+    )
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), variables, shardings
+    )
 
 
 def _split(variables: dict) -> tuple[Any, dict]:
@@ -99,14 +100,19 @@ def _train_extras(est, params: Any) -> dict:
 
 def to_train_state(variables: dict, train: dict) -> TrainState:
     params, rest = _split(variables)
-    return TrainState(params, rest, train["opt_state"], train["step"], train["rng"],
-                      train["nonfinite"])
+    return TrainState(
+        params, rest, train["opt_state"], train["step"], train["rng"], train["nonfinite"]
+    )
 
 
 def train_state_parts(state: TrainState) -> tuple[dict, dict]:
     variables = {"params": state.params, **state.state}
-    train = {"opt_state": state.opt_state, "step": state.step, "rng": state.rng,
-             "nonfinite": state.nonfinite}
+    train = {
+        "opt_state": state.opt_state,
+        "step": state.step,
+        "rng": state.rng,
+        "nonfinite": state.nonfinite,
+    }
     return variables, train
 
 
@@ -128,14 +134,18 @@ def fresh_train_state(est, chunk: Chunk, batch_size: int, make_init_fn=None) -> 
     replicated = NamedSharding(est.mesh, P())
     opt_state = jax.tree.map(
         lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated),
-        opt_state)
-    train = {"opt_state": opt_state,
-             **_place(est, {"step": jnp.int32(0), "rng": args[0], "nonfinite": jnp.int32(0)})}
+        opt_state,
+    )
+    train = {
+        "opt_state": opt_state,
+        **_place(est, {"step": jnp.int32(0), "rng": args[0], "nonfinite": jnp.int32(0)}),
+    }
     return to_train_state(variables, train)
 
 
-def restore_train_state(est, ckpts: ckpt_lib.Checkpoints, chunk: Chunk,
-                        batch_size: int) -> tuple[TrainState, dict] | None:
+def restore_train_state(
+    est, ckpts: ckpt_lib.Checkpoints, chunk: Chunk, batch_size: int
+) -> tuple[TrainState, dict] | None:
     """The newest readable checkpoint as a TrainState, with its meta; None if there is none."""
     steps = ckpts.steps()
     if not steps:
@@ -154,8 +164,9 @@ def restore_train_state(est, ckpts: ckpt_lib.Checkpoints, chunk: Chunk,
     return to_train_state(out["variables"], out["train"]), out["meta"]
 
 
-def restore_variables(est, mode: str, chunk: Chunk, batch_size: int,
-                      checkpoint_path: str | None) -> tuple[dict, int]:
+def restore_variables(
+    est, mode: str, chunk: Chunk, batch_size: int, checkpoint_path: str | None
+) -> tuple[dict, int]:
     """Variables for evaluate/predict from ``checkpoint_path`` or the latest checkpoint.
 
     Raises:

@@ -57,8 +57,9 @@ def writer_for(logdir: str):
             # A unique suffix: tensorboardX names files by the second, and two writers opened
             # in the same second in one directory would overwrite each other's file.
             suffix = f".{os.getpid()}.{next(_COUNTER)}"
-            w = _WRITERS[logdir] = SummaryWriter(logdir=logdir, flush_secs=10,
-                                                 filename_suffix=suffix)
+            w = _WRITERS[logdir] = SummaryWriter(
+                logdir=logdir, flush_secs=10, filename_suffix=suffix
+            )
         return w
 
 

@@ -150,7 +150,8 @@ class TPUEstimator:
         if batch is None:
             if self._use_tpu:
                 field = {"train": "train_batch_size", "eval": "eval_batch_size"}.get(
-                    mode, "predict_batch_size")
+                    mode, "predict_batch_size"
+                )
                 raise ValueError(f"{field} must be set to run {mode} with use_tpu=True")
         return batch
 
@@ -175,18 +176,23 @@ class TPUEstimator:
     def _pipeline(self, input_fn: Callable, mode: str, *, pad: bool) -> Pipeline:
         global_batch = self._global_batch(mode)
         it = call_input_fn(
-            input_fn, params=self._input_params(global_batch), config=self._config, mode=mode,
+            input_fn,
+            params=self._input_params(global_batch),
+            config=self._config,
+            mode=mode,
             input_context=InputContext(jax.process_count(), jax.process_index(), self._replicas),
         )
         mode_cfg = self._config.tpu_config.per_host_input_for_training
         local = multihost.local_replicas(self._mesh)  # this process feeds only its replicas
         if global_batch is not None and mode_cfg != InputPipelineConfig.BROADCAST:
             global_batch = global_batch * local // self._replicas
-        return Pipeline(it, mode_cfg=mode_cfg, global_batch=global_batch,
-                        num_replicas=local, pad=pad)
+        return Pipeline(
+            it, mode_cfg=mode_cfg, global_batch=global_batch, num_replicas=local, pad=pad
+        )
 
-    def _prefetch(self, pipe: Pipeline, schedule: Callable[[], int], *, fill: bool,
-                  skip: int = 0) -> Prefetcher:
+    def _prefetch(
+        self, pipe: Pipeline, schedule: Callable[[], int], *, fill: bool, skip: int = 0
+    ) -> Prefetcher:
         def produce():
             if skip and pipe.pulled == 0:
                 done = pipe.skip(skip)
@@ -206,20 +212,38 @@ class TPUEstimator:
             if unroll is None:  # XLA:CPU runs convolutions in rolled loops slowly
                 unroll = jax.default_backend() == "cpu" and tpu.iterations_per_loop <= 10
             if kind == "init_train":
-                fn = make_init(self._model, self._mesh, self._holder, mode=ModeKeys.TRAIN,
-                               batch_size=batch_size)
+                fn = make_init(
+                    self._model,
+                    self._mesh,
+                    self._holder,
+                    mode=ModeKeys.TRAIN,
+                    batch_size=batch_size,
+                )
             elif kind.startswith("init_"):
-                fn = make_init(self._model, self._mesh, self._holder, mode=kind[5:],
-                               batch_size=batch_size)
+                fn = make_init(
+                    self._model, self._mesh, self._holder, mode=kind[5:], batch_size=batch_size
+                )
             elif kind == ModeKeys.TRAIN:
-                fn = make_train_loop(self._model, self._mesh, self._holder,
-                                     batch_size=batch_size, unroll=unroll,
-                                     skip_nonfinite=self._config.skip_nonfinite_steps,
-                                     var_specs=self._var_specs, input_specs=self._input_specs())
+                fn = make_train_loop(
+                    self._model,
+                    self._mesh,
+                    self._holder,
+                    batch_size=batch_size,
+                    unroll=unroll,
+                    skip_nonfinite=self._config.skip_nonfinite_steps,
+                    var_specs=self._var_specs,
+                    input_specs=self._input_specs(),
+                )
             else:
-                fn = make_eval_loop(self._model, self._mesh, self._holder, mode=kind,
-                                    batch_size=batch_size, unroll=unroll,
-                                    input_specs=self._input_specs())
+                fn = make_eval_loop(
+                    self._model,
+                    self._mesh,
+                    self._holder,
+                    mode=kind,
+                    batch_size=batch_size,
+                    unroll=unroll,
+                    input_specs=self._input_specs(),
+                )
             self._compiled[key] = fn
         return self._compiled[key]
 
@@ -236,7 +260,8 @@ class TPUEstimator:
             if isinstance(d, dict):
                 return {k: specs(v) for k, v in d.items()}
             return partitioning.partition_spec_from_dims(
-                d, num_cores_per_replica=tpu.num_cores_per_replica)
+                d, num_cores_per_replica=tpu.num_cores_per_replica
+            )
 
         return specs(dims[0]), specs(dims[1]) if len(dims) > 1 else None
 
@@ -295,8 +320,15 @@ class TPUEstimator:
         if steps is not None and (not isinstance(steps, int) or steps <= 0):
             raise ValueError(f"Must specify steps > 0, given: {steps}")
         _check_hooks(hooks)
-        return run_eval_loops(self, input_fn, ModeKeys.EVAL, steps=steps, hooks=hooks,
-                              checkpoint_path=checkpoint_path, name=name)
+        return run_eval_loops(
+            self,
+            input_fn,
+            ModeKeys.EVAL,
+            steps=steps,
+            hooks=hooks,
+            checkpoint_path=checkpoint_path,
+            name=name,
+        )
 
     def predict(
         self,
@@ -329,10 +361,15 @@ class TPUEstimator:
         ):
             raise TypeError(f"predict_keys must be a str or a list of str, got {predict_keys!r}")
         _check_hooks(hooks)
-        return run_predict_loops(self, input_fn, predict_keys=predict_keys, hooks=hooks,
-                                 checkpoint_path=checkpoint_path,
-                                 yield_single_examples=yield_single_examples,
-                                 gather=gather_to_process_0)
+        return run_predict_loops(
+            self,
+            input_fn,
+            predict_keys=predict_keys,
+            hooks=hooks,
+            checkpoint_path=checkpoint_path,
+            yield_single_examples=yield_single_examples,
+            gather=gather_to_process_0,
+        )
 
     def export_saved_model(
         self,
@@ -351,9 +388,14 @@ class TPUEstimator:
         """
         from .export import export_saved_model
 
-        return export_saved_model(self, export_dir_base, serving_input_receiver_fn,
-                                  checkpoint_path, fold_variables=fold_variables,
-                                  platforms=platforms)
+        return export_saved_model(
+            self,
+            export_dir_base,
+            serving_input_receiver_fn,
+            checkpoint_path,
+            fold_variables=fold_variables,
+            platforms=platforms,
+        )
 
     # ----------------------------------------------------------------- checkpoints
     def latest_checkpoint(self) -> str | None:
@@ -403,8 +445,10 @@ def _check_hooks(hooks) -> None:
     from hooks import SessionRunHook
 
     if isinstance(hooks, SessionRunHook):
-        raise TypeError(f"hooks must be a list of SessionRunHook, got a single "
-                        f"{type(hooks).__name__}; pass [hook]")
+        raise TypeError(
+            f"hooks must be a list of SessionRunHook, got a single "
+            f"{type(hooks).__name__}; pass [hook]"
+        )
     if hooks is not None and (isinstance(hooks, (str, bytes)) or not hasattr(hooks, "__iter__")):
         raise TypeError(f"hooks must be a list of SessionRunHook, got {type(hooks).__name__}")
     for hook in hooks if isinstance(hooks, (list, tuple)) else ():  # fail before any work

@@ -89,8 +89,9 @@ def train_and_evaluate(est, train_spec: TrainSpec, eval_spec: EvalSpec) -> tuple
 
     def evaluate():
         nonlocal last_eval_time, last_eval_step, result
-        result = est.evaluate(eval_spec.input_fn, steps=eval_spec.steps, hooks=eval_spec.hooks,
-                              name=eval_spec.name)
+        result = est.evaluate(
+            eval_spec.input_fn, steps=eval_spec.steps, hooks=eval_spec.hooks, name=eval_spec.name
+        )
         last_eval_time, last_eval_step = time.monotonic(), step
 
     while train_spec.max_steps is None or step < train_spec.max_steps:

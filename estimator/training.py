@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 import jax
 import numpy as np
@@ -85,8 +84,9 @@ def _log_loss(every: int, losses: np.ndarray, steps: np.ndarray, clock: list) ->
     if not every or not any(s % every == 0 for s in steps):
         return
     now = time.monotonic()
-    log.info("loss = %s, step = %d (%.3f sec)", float(np.mean(losses)), int(steps[-1]),
-             now - clock[0])
+    log.info(
+        "loss = %s, step = %d (%.3f sec)", float(np.mean(losses)), int(steps[-1]), now - clock[0]
+    )
     clock[0] = now
 
 
@@ -158,8 +158,10 @@ def _start(est, input_fn, batch_size, ckpts, latest, target_fn):
         if opened is None:
             return None
         pipe, prefetch, first = opened
-    position = {"input_pulls": int(restored_meta.get("input_pulls", 0)),
-                "input_state": restored_meta.get("input_state")}
+    position = {
+        "input_pulls": int(restored_meta.get("input_pulls", 0)),
+        "input_state": restored_meta.get("input_state"),
+    }
     return state, position, first, prefetch, model_batch
 
 
@@ -178,15 +180,19 @@ def run_train_loops(est, input_fn, *, hooks, steps, max_steps) -> None:
     latest = ckpts.latest_meta()  # the newest step that looks intact
     start_step = latest[0] if latest else 0
     if max_steps is not None and start_step >= max_steps:
-        log.info("Skipping training since max_steps has already saved (step %d; max_steps "
-                 "%d).", start_step, max_steps)
+        log.info(
+            "Skipping training since max_steps has already saved (step %d; max_steps %d).",
+            start_step,
+            max_steps,
+        )
         return
     batch_size = est._global_batch(ModeKeys.TRAIN)
 
     def target_fn(begin: int) -> int | None:
         """The step to stop at, for a run that starts (is restored) at ``begin``."""
-        targets = [t for t in (max_steps, None if steps is None else begin + steps)
-                   if t is not None] + _stop_hook_targets(hooks, begin)
+        targets = [
+            t for t in (max_steps, None if steps is None else begin + steps) if t is not None
+        ] + _stop_hook_targets(hooks, begin)
         return min(targets) if targets else None
 
     with PreemptionWatcher() as watcher:
@@ -200,8 +206,10 @@ def _check_loss_dtype(est) -> None:
     """An integer loss has no gradient: training would silently never move."""
     dtype = getattr(est._holder[ModeKeys.TRAIN].loss, "dtype", None)
     if dtype is not None and not jax.numpy.issubdtype(dtype, jax.numpy.floating):
-        raise TypeError(f"loss must be a floating-point scalar to be differentiated, "
-                        f"got dtype {dtype}; cast it in model_fn")
+        raise TypeError(
+            f"loss must be a floating-point scalar to be differentiated, "
+            f"got dtype {dtype}; cast it in model_fn"
+        )
 
 
 def _run(est, ckpts, started, hooks, target_fn, watcher) -> None:
@@ -213,18 +221,25 @@ def _run(est, ckpts, started, hooks, target_fn, watcher) -> None:
         raise
     step = int(jax.device_get(state.step))
     global_batch = est._batch[ModeKeys.TRAIN] or model_batch
-    progress.log_startup_summary(est, global_batch=global_batch, replica_batch=model_batch,
-                                 params=state.params, start_step=step,
-                                 target=target_fn(step))
+    progress.log_startup_summary(
+        est,
+        global_batch=global_batch,
+        replica_batch=model_batch,
+        params=state.params,
+        start_step=step,
+        target=target_fn(step),
+    )
     extra = []
     if progress.progress_enabled(est.config.progress_bar):
         extra.append(progress.ProgressBarHook(start=step, total=target_fn(step)))
-    _train(est, ckpts, state, pulls, first, prefetch, model_batch, list(hooks or ()) + extra,
-           watcher)
+    _train(
+        est, ckpts, state, pulls, first, prefetch, model_batch, list(hooks or ()) + extra, watcher
+    )
 
 
-def _train(est, ckpts, state, position, first, prefetch: Prefetcher, model_batch, user_hooks,
-           watcher):
+def _train(
+    est, ckpts, state, position, first, prefetch: Prefetcher, model_batch, user_hooks, watcher
+):
     cfg = est.config
     writer = summary.writer_for(est.model_dir)
     spec = est._holder[ModeKeys.TRAIN]
@@ -233,8 +248,9 @@ def _train(est, ckpts, state, position, first, prefetch: Prefetcher, model_batch
     step = int(jax.device_get(state.step))
     saver.last_step = step if ckpts.steps() else None
     global_batch = est._batch[ModeKeys.TRAIN] or model_batch
-    session = Session(mode=ModeKeys.TRAIN, model_dir=est.model_dir, global_step=step,
-                      save=saver.save)
+    session = Session(
+        mode=ModeKeys.TRAIN, model_dir=est.model_dir, global_step=step, save=saver.save
+    )
     given = list(spec.training_hooks) + list(user_hooks or ())
     all_hooks = _default_hooks(est, given) + given
     runner = HookRunner(all_hooks, session, examples_per_step=global_batch)
@@ -242,8 +258,9 @@ def _train(est, ckpts, state, position, first, prefetch: Prefetcher, model_batch
     worker = HostWorker()
     every_n = cfg.tpu_config.host_call_every_n_steps
     clock = [time.monotonic()]
-    summaries = summary.TrainSummaries(writer, every=cfg.save_summary_steps,
-                                       examples_per_step=global_batch)
+    summaries = summary.TrainSummaries(
+        writer, every=cfg.save_summary_steps, examples_per_step=global_batch
+    )
     runner.begin()
     runner.after_create_session()
     chunk, preempted = first, False
@@ -262,10 +279,10 @@ def _train(est, ckpts, state, position, first, prefetch: Prefetcher, model_batch
             session.global_step = step
             host_call = est._holder[ModeKeys.TRAIN].host_call
             if host_call is not None and multihost.is_process_0():  # once, on process 0
-                worker.submit(lambda f=host_call[0], h=host, s=steps:
-                              run_host_calls(f, h, s, every_n, writer))
-            nonfinite = (int(jax.device_get(state.nonfinite))
-                         if cfg.skip_nonfinite_steps else None)
+                worker.submit(
+                    lambda f=host_call[0], h=host, s=steps: run_host_calls(f, h, s, every_n, writer)
+                )
+            nonfinite = int(jax.device_get(state.nonfinite)) if cfg.skip_nonfinite_steps else None
             summaries.after_loop(losses, steps, nonfinite)
             _log_loss(cfg.log_step_count_steps, losses, steps, clock)
             values = {"loss": losses, "global_step": steps}

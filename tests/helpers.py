@@ -33,14 +33,19 @@ def model_fn(features, labels, mode, params):
         h = nn.BatchNorm(use_running_average=not train, momentum=0.9, axis_name="data")(h)
     logits = nn.Dense(params.get("classes", 3), name="out")(nn.relu(h))
     if mode == estimator.ModeKeys.PREDICT:
-        return estimator.TPUEstimatorSpec(mode, predictions={"logits": logits,
-                                                             "row": features.get("row", logits)}
-                                          if isinstance(features, dict) else {"logits": logits})
+        return estimator.TPUEstimatorSpec(
+            mode,
+            predictions={"logits": logits, "row": features.get("row", logits)}
+            if isinstance(features, dict)
+            else {"logits": logits},
+        )
     mask = estimator.padding_mask()
     per_row = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     loss = (per_row * mask).sum() / jnp.maximum(mask.sum(), 1.0)
     return estimator.TPUEstimatorSpec(
-        mode, loss=loss, train_op=optax.sgd(params.get("lr", 0.1)) if train else None,
+        mode,
+        loss=loss,
+        train_op=optax.sgd(params.get("lr", 0.1)) if train else None,
         eval_metrics=(metric_fn, [labels, logits]),
     )
 

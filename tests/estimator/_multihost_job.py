@@ -58,9 +58,12 @@ def build(model_dir: str, *, cluster=None, max_steps: int = MAX_STEPS):
     config = job_config(max_steps)
     run_config = jobs.run_config(config, model_dir).replace(cluster=cluster)
     est = estimator.TPUEstimator(
-        models.MODELS[config.model], config=run_config,
-        params=config.model_params.to_dict(), use_tpu=True,
-        train_batch_size=config.train_batch_size, eval_batch_size=config.eval_batch_size,
+        models.MODELS[config.model],
+        config=run_config,
+        params=config.model_params.to_dict(),
+        use_tpu=True,
+        train_batch_size=config.train_batch_size,
+        eval_batch_size=config.eval_batch_size,
         predict_batch_size=config.predict_batch_size,
     )
     return est, models.DATASETS[config.dataset](config)
@@ -92,12 +95,16 @@ def probe() -> dict:
     from estimator import multihost
 
     me = jax.process_index()
-    out = {"process_index": me, "process_count": jax.process_count(),
-           "local_devices": jax.local_device_count(), "devices": jax.device_count(),
-           "replicas_in_sync": strategy.num_replicas_in_sync,
-           "gathered": multihost.gather_objects({"index": me, "pid": os.getpid()}),
-           "broadcast": multihost.broadcast_object(f"from {me}"),
-           "any_of": list(multihost.any_of(me == 1, False))}
+    out = {
+        "process_index": me,
+        "process_count": jax.process_count(),
+        "local_devices": jax.local_device_count(),
+        "devices": jax.device_count(),
+        "replicas_in_sync": strategy.num_replicas_in_sync,
+        "gathered": multihost.gather_objects({"index": me, "pid": os.getpid()}),
+        "broadcast": multihost.broadcast_object(f"from {me}"),
+        "any_of": list(multihost.any_of(me == 1, False)),
+    }
     try:
         multihost.run_on_process_0(lambda: 1 / 0, "probe")
     except Exception as e:  # noqa: BLE001 - reported
@@ -142,20 +149,27 @@ def main(argv=None) -> int:
 
     latest = est.latest_checkpoint()
     out = {
-        "pid": os.getpid(), "process_index": jax.process_index(),
-        "process_count": jax.process_count(), "local_devices": jax.local_device_count(),
-        "devices": jax.device_count(), "replicas": est.num_replicas,
+        "pid": os.getpid(),
+        "process_index": jax.process_index(),
+        "process_count": jax.process_count(),
+        "local_devices": jax.local_device_count(),
+        "devices": jax.device_count(),
+        "replicas": est.num_replicas,
         "start_step": 0 if latest is None else int(os.path.basename(latest)),
     }
-    est.train(input_fns["train"], max_steps=args.max_steps,
-              hooks=[_LoopPrinter(args.sleep, args.sleep_from)])
+    est.train(
+        input_fns["train"],
+        max_steps=args.max_steps,
+        hooks=[_LoopPrinter(args.sleep, args.sleep_from)],
+    )
     out["final_step"] = int(os.path.basename(est.latest_checkpoint()))
     if not args.train_only:
         results = est.evaluate(input_fns["eval"])
         out["eval"] = {k: float(v) for k, v in results.items()}
         out["predict_local"] = [int(p["class_ids"]) for p in est.predict(input_fns["predict"])]
-        out["predict_gathered"] = [int(p["class_ids"]) for p in est.predict(
-            input_fns["predict"], gather_to_process_0=True)]
+        out["predict_gathered"] = [
+            int(p["class_ids"]) for p in est.predict(input_fns["predict"], gather_to_process_0=True)
+        ]
     path = os.path.join(args.out_dir, f"process_{jax.process_index()}.json")
     with open(path, "w") as f:
         json.dump(out, f)

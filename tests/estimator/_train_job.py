@@ -122,8 +122,9 @@ def make_estimator(model_dir: str, *, save_steps: int, keep: int | None, cache: 
         save_summary_steps=0,
         compilation_cache_dir=cache,
     )
-    return estimator.TPUEstimator(model_fn, config=config, train_batch_size=BATCH,
-                                  eval_batch_size=BATCH)
+    return estimator.TPUEstimator(
+        model_fn, config=config, train_batch_size=BATCH, eval_batch_size=BATCH
+    )
 
 
 def _eval_input_fn(params):
@@ -163,8 +164,9 @@ def main(argv=None) -> None:
     logger = logging.getLogger("estimator")
     logger.handlers[:] = [logging.StreamHandler(sys.stdout)]
     logger.setLevel(logging.INFO)
-    est = make_estimator(args.model_dir, save_steps=args.save_steps, keep=args.keep,
-                         cache=args.cache)
+    est = make_estimator(
+        args.model_dir, save_steps=args.save_steps, keep=args.keep, cache=args.cache
+    )
     if args.evaluate_until is not None:
         evaluate_until(est, args.evaluate_until, args.eval_out)
         return

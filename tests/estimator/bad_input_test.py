@@ -35,8 +35,13 @@ pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptio
 
 def _est(model_dir, fn=h.model_fn, **kw) -> estimator.TPUEstimator:
     return estimator.TPUEstimator(
-        fn, config=h.config(model_dir, iterations_per_loop=2, keep_checkpoint_max=None),
-        train_batch_size=B, eval_batch_size=B, predict_batch_size=B, **kw)
+        fn,
+        config=h.config(model_dir, iterations_per_loop=2, keep_checkpoint_max=None),
+        train_batch_size=B,
+        eval_batch_size=B,
+        predict_batch_size=B,
+        **kw,
+    )
 
 
 def _batches(items):
@@ -69,8 +74,7 @@ def _needs_labels(features, labels, mode, params):
 
 
 def _no_labels_arg(features, mode, params):
-    return estimator.TPUEstimatorSpec(mode, loss=_dense(features).mean(),
-                                      train_op=optax.sgd(0.1))
+    return estimator.TPUEstimatorSpec(mode, loss=_dense(features).mean(), train_op=optax.sgd(0.1))
 
 
 def _wrong_mode(features, labels, mode, params):
@@ -78,8 +82,9 @@ def _wrong_mode(features, labels, mode, params):
 
 
 def _int_loss(features, labels, mode, params):
-    return estimator.TPUEstimatorSpec(mode, loss=jnp.int32(_dense(features).shape[0]),
-                                      train_op=optax.sgd(0.1))
+    return estimator.TPUEstimatorSpec(
+        mode, loss=jnp.int32(_dense(features).shape[0]), train_op=optax.sgd(0.1)
+    )
 
 
 def _predicting(predictions_of):
@@ -88,14 +93,16 @@ def _predicting(predictions_of):
         if mode == estimator.ModeKeys.PREDICT:
             return estimator.TPUEstimatorSpec(mode, predictions=predictions_of(logits))
         return estimator.TPUEstimatorSpec(mode, loss=logits.mean(), train_op=optax.sgd(0.1))
+
     return model_fn
 
 
 def _other_names(features, labels, mode, params):
     logits = nn.Dense(3, name="other")(features["x"])
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-    return estimator.TPUEstimatorSpec(mode, loss=loss, train_op=optax.sgd(0.1),
-                                      predictions={"logits": logits})
+    return estimator.TPUEstimatorSpec(
+        mode, loss=loss, train_op=optax.sgd(0.1), predictions={"logits": logits}
+    )
 
 
 def _adam(features, labels, mode, params):
@@ -143,93 +150,229 @@ def _train_input(input_fn):
 
 CASES = [
     # model_fn and what it returns
-    ("model_fn not callable", lambda c: _est(c.fresh, "model_fn"), TypeError,
-     "model_fn must be callable"),
-    ("model_fn without features", lambda c: _est(c.fresh, lambda labels, mode, params: None),
-     ValueError, "'features'"),
-    ("spec for another mode", _train(_wrong_mode), ValueError,
-     "called in mode 'train' but returned a spec for 'eval'"),
+    (
+        "model_fn not callable",
+        lambda c: _est(c.fresh, "model_fn"),
+        TypeError,
+        "model_fn must be callable",
+    ),
+    (
+        "model_fn without features",
+        lambda c: _est(c.fresh, lambda labels, mode, params: None),
+        ValueError,
+        "'features'",
+    ),
+    (
+        "spec for another mode",
+        _train(_wrong_mode),
+        ValueError,
+        "called in mode 'train' but returned a spec for 'eval'",
+    ),
     ("integer loss", _train(_int_loss), TypeError, "loss must be a floating-point.*int32"),
-    ("predictions a list", _predict(fn=_predicting(lambda lg: [lg])), TypeError,
-     "predictions must be an array or a dict"),
-    ("prediction without batch dimension", _predict(fn=_predicting(
-        lambda lg: {"total": lg.sum(), "logits": lg})), ValueError,
-     r"prediction \['total'\] has shape \(\)"),
-    ("prediction with wrong batch dimension", _predict(fn=_predicting(
-        lambda lg: {"first": lg[:1], "logits": lg})), ValueError,
-     r"prediction \['first'\] has shape \(1, 3\).*leading batch dimension of 2"),
+    (
+        "predictions a list",
+        _predict(fn=_predicting(lambda lg: [lg])),
+        TypeError,
+        "predictions must be an array or a dict",
+    ),
+    (
+        "prediction without batch dimension",
+        _predict(fn=_predicting(lambda lg: {"total": lg.sum(), "logits": lg})),
+        ValueError,
+        r"prediction \['total'\] has shape \(\)",
+    ),
+    (
+        "prediction with wrong batch dimension",
+        _predict(fn=_predicting(lambda lg: {"first": lg[:1], "logits": lg})),
+        ValueError,
+        r"prediction \['first'\] has shape \(1, 3\).*leading batch dimension of 2",
+    ),
     # labels
-    ("labels missing in train", _train(_needs_labels, FEATURES_ONLY), ValueError,
-     "labels=None.*input_fn returned features only"),
-    ("labels missing in evaluate", _evaluate(FEATURES_ONLY, _needs_labels), ValueError,
-     "mode 'eval' with labels=None"),
-    ("labels given, model_fn takes none", _train(_no_labels_arg), ValueError,
-     "does not take a 'labels' argument"),
+    (
+        "labels missing in train",
+        _train(_needs_labels, FEATURES_ONLY),
+        ValueError,
+        "labels=None.*input_fn returned features only",
+    ),
+    (
+        "labels missing in evaluate",
+        _evaluate(FEATURES_ONLY, _needs_labels),
+        ValueError,
+        "mode 'eval' with labels=None",
+    ),
+    (
+        "labels given, model_fn takes none",
+        _train(_no_labels_arg),
+        ValueError,
+        "does not take a 'labels' argument",
+    ),
     # input_fn
     ("input_fn not callable", _train_input(GOOD), TypeError, "input_fn must be callable"),
-    ("input_fn without params", _train_input(lambda: iter(GOOD)), ValueError,
-     "input_fn must take a 'params' argument"),
-    ("input_fn with an unknown argument", _train_input(lambda params, shuffle: iter(GOOD)),
-     ValueError, r"unexpected argument\(s\) \['shuffle'\]"),
+    (
+        "input_fn without params",
+        _train_input(lambda: iter(GOOD)),
+        ValueError,
+        "input_fn must take a 'params' argument",
+    ),
+    (
+        "input_fn with an unknown argument",
+        _train_input(lambda params, shuffle: iter(GOOD)),
+        ValueError,
+        r"unexpected argument\(s\) \['shuffle'\]",
+    ),
     ("input_fn returns None", _train_input(lambda params: None), TypeError, "returned None"),
-    ("input_fn returns a number", _train_input(lambda params: 3), TypeError,
-     "iterable of batches, got int"),
-    ("input_fn returns a dict of whole arrays", _train_input(lambda params: {"x": X, "y": Y}),
-     TypeError, "yielded 'x', not a batch"),
+    (
+        "input_fn returns a number",
+        _train_input(lambda params: 3),
+        TypeError,
+        "iterable of batches, got int",
+    ),
+    (
+        "input_fn returns a dict of whole arrays",
+        _train_input(lambda params: {"x": X, "y": Y}),
+        TypeError,
+        "yielded 'x', not a batch",
+    ),
     ("empty input in train", _train(batches=[]), ValueError, "no training batches"),
     ("empty input in evaluate", _evaluate([]), ValueError, "no batches to evaluate"),
     ("empty input in predict", _predict([]), ValueError, "no batches to predict"),
-    ("first batch smaller than batch_size", _train(batches=[({"x": X[:8]}, Y[:8])] * 4),
-     ValueError, r"first training batch has 8 rows, expected params\['batch_size'\] = 16"),
-    ("batch shape changes in evaluate", _evaluate(
-        [GOOD[0], ({"x": np.zeros((B, 7), np.float32)}, Y[:B])]), ValueError,
-     r"entry \[0\]\['x'\] has shape \(16, 7\)"),
-    ("feature with a scalar entry", _train(batches=[({"x": X[:B], "w": 0.5}, Y[:B])]),
-     ValueError, r"\['w'\] is a scalar"),
-    ("string feature", _train(batches=[({"x": X[:B], "id": np.array(["a"] * B)}, Y[:B])]),
-     TypeError, r"\['id'\] has dtype <U1"),
-    ("get_state not JSON", _train_input(lambda params: _NotJsonState()), TypeError,
-     "get_state.*cannot be saved in a checkpoint"),
+    (
+        "first batch smaller than batch_size",
+        _train(batches=[({"x": X[:8]}, Y[:8])] * 4),
+        ValueError,
+        r"first training batch has 8 rows, expected params\['batch_size'\] = 16",
+    ),
+    (
+        "batch shape changes in evaluate",
+        _evaluate([GOOD[0], ({"x": np.zeros((B, 7), np.float32)}, Y[:B])]),
+        ValueError,
+        r"entry \[0\]\['x'\] has shape \(16, 7\)",
+    ),
+    (
+        "feature with a scalar entry",
+        _train(batches=[({"x": X[:B], "w": 0.5}, Y[:B])]),
+        ValueError,
+        r"\['w'\] is a scalar",
+    ),
+    (
+        "string feature",
+        _train(batches=[({"x": X[:B], "id": np.array(["a"] * B)}, Y[:B])]),
+        TypeError,
+        r"\['id'\] has dtype <U1",
+    ),
+    (
+        "get_state not JSON",
+        _train_input(lambda params: _NotJsonState()),
+        TypeError,
+        "get_state.*cannot be saved in a checkpoint",
+    ),
     # train / evaluate / predict arguments
-    ("hook of the wrong type in train", _train(hooks=["log"]), TypeError,
-     "SessionRunHook instances, given: 'log'"),
-    ("hook of the wrong type in evaluate", _evaluate(hooks=[print]), TypeError,
-     "SessionRunHook instances"),
-    ("hook of the wrong type in predict", _predict(hooks=[3]), TypeError,
-     "SessionRunHook instances, given: 3"),
-    ("a single hook, not a list", _train(hooks=hooks.StopAtStepHook(num_steps=1)), TypeError,
-     r"single StopAtStepHook; pass \[hook\]"),
-    ("steps as a string", lambda c: _est(c.fresh).train(_batches(GOOD), steps="10"),
-     TypeError, "steps must be an int"),
+    (
+        "hook of the wrong type in train",
+        _train(hooks=["log"]),
+        TypeError,
+        "SessionRunHook instances, given: 'log'",
+    ),
+    (
+        "hook of the wrong type in evaluate",
+        _evaluate(hooks=[print]),
+        TypeError,
+        "SessionRunHook instances",
+    ),
+    (
+        "hook of the wrong type in predict",
+        _predict(hooks=[3]),
+        TypeError,
+        "SessionRunHook instances, given: 3",
+    ),
+    (
+        "a single hook, not a list",
+        _train(hooks=hooks.StopAtStepHook(num_steps=1)),
+        TypeError,
+        r"single StopAtStepHook; pass \[hook\]",
+    ),
+    (
+        "steps as a string",
+        lambda c: _est(c.fresh).train(_batches(GOOD), steps="10"),
+        TypeError,
+        "steps must be an int",
+    ),
     ("evaluate steps=0", _evaluate(steps=0), ValueError, "steps > 0"),
-    ("params not a dict", lambda c: _est(c.fresh, params=["lr", 0.1]), TypeError,
-     "params must be a dict"),
-    ("predict_keys of the wrong type", _predict(predict_keys=3), TypeError,
-     "predict_keys must be a str or a list of str"),
-    ("predict_keys with array predictions", _predict(
-        fn=_predicting(lambda lg: lg), predict_keys=["logits"]), ValueError,
-     "predict_keys can only be used when predictions is a dict"),
-    ("predict without predict_batch_size", lambda c: list(estimator.TPUEstimator(
-        h.model_fn, config=h.config(c.trained), train_batch_size=B).predict(
-            _batches(FEATURES_ONLY))), ValueError, "predict_batch_size must be set"),
+    (
+        "params not a dict",
+        lambda c: _est(c.fresh, params=["lr", 0.1]),
+        TypeError,
+        "params must be a dict",
+    ),
+    (
+        "predict_keys of the wrong type",
+        _predict(predict_keys=3),
+        TypeError,
+        "predict_keys must be a str or a list of str",
+    ),
+    (
+        "predict_keys with array predictions",
+        _predict(fn=_predicting(lambda lg: lg), predict_keys=["logits"]),
+        ValueError,
+        "predict_keys can only be used when predictions is a dict",
+    ),
+    (
+        "predict without predict_batch_size",
+        lambda c: list(
+            estimator.TPUEstimator(
+                h.model_fn, config=h.config(c.trained), train_batch_size=B
+            ).predict(_batches(FEATURES_ONLY))
+        ),
+        ValueError,
+        "predict_batch_size must be set",
+    ),
     # checkpoints
-    ("evaluate without a checkpoint", lambda c: _est(c.fresh).evaluate(_batches(GOOD)),
-     ValueError, "Could not find trained model"),
-    ("predict without a checkpoint", lambda c: list(_est(c.fresh).predict(
-        _batches(FEATURES_ONLY))), ValueError, "Could not find trained model"),
-    ("checkpoint_path step that does not exist", lambda c: _est(c.trained).evaluate(
-        _batches(GOOD), checkpoint_path=str(c.trained / "checkpoints" / "99")), ValueError,
-     "checkpoints/99' does not exist"),
-    ("checkpoint_path that is not a checkpoint", lambda c: _est(c.trained).evaluate(
-        _batches(GOOD), checkpoint_path=str(c.fresh)), ValueError, "is not a checkpoint"),
-    ("get_variable_value of an unknown name",
-     lambda c: _est(c.trained).get_variable_value("hiden/kernel"), ValueError,
-     r"'hiden/kernel' not found.*similar: \['hidden/kernel'"),
-    ("warm_start_from a missing path", lambda c: _est(
-        c.fresh, warm_start_from=str(c.fresh / "nowhere")).train(_batches(GOOD), max_steps=2),
-     ValueError, "nowhere"),
-    ("model_dir is a file", lambda c: _est(_a_file(c.fresh)).train(_batches(GOOD), max_steps=2),
-     NotADirectoryError, "a_file/checkpoints"),
+    (
+        "evaluate without a checkpoint",
+        lambda c: _est(c.fresh).evaluate(_batches(GOOD)),
+        ValueError,
+        "Could not find trained model",
+    ),
+    (
+        "predict without a checkpoint",
+        lambda c: list(_est(c.fresh).predict(_batches(FEATURES_ONLY))),
+        ValueError,
+        "Could not find trained model",
+    ),
+    (
+        "checkpoint_path step that does not exist",
+        lambda c: _est(c.trained).evaluate(
+            _batches(GOOD), checkpoint_path=str(c.trained / "checkpoints" / "99")
+        ),
+        ValueError,
+        "checkpoints/99' does not exist",
+    ),
+    (
+        "checkpoint_path that is not a checkpoint",
+        lambda c: _est(c.trained).evaluate(_batches(GOOD), checkpoint_path=str(c.fresh)),
+        ValueError,
+        "is not a checkpoint",
+    ),
+    (
+        "get_variable_value of an unknown name",
+        lambda c: _est(c.trained).get_variable_value("hiden/kernel"),
+        ValueError,
+        r"'hiden/kernel' not found.*similar: \['hidden/kernel'",
+    ),
+    (
+        "warm_start_from a missing path",
+        lambda c: _est(c.fresh, warm_start_from=str(c.fresh / "nowhere")).train(
+            _batches(GOOD), max_steps=2
+        ),
+        ValueError,
+        "nowhere",
+    ),
+    (
+        "model_dir is a file",
+        lambda c: _est(_a_file(c.fresh)).train(_batches(GOOD), max_steps=2),
+        NotADirectoryError,
+        "a_file/checkpoints",
+    ),
 ]
 
 
@@ -240,24 +383,39 @@ def test_bad_input_is_a_clear_error(ctx, action, error, match):
 
 
 def _snapshot(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha1(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha1(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 MISMATCHES = [
-    ("other layer sizes", "train", lambda: (h.model_fn, {"hidden": 32}),
-     r"variables/params/hidden/kernel: checkpoint shape \(6, 16\), model shape \(6, 32\)"),
-    ("other variable names", "evaluate", lambda: (_other_names, {}),
-     r"variables/params/other/kernel: in the model \(6, 3\), not in the checkpoint"),
-    ("an extra collection", "predict", lambda: (h.model_fn, {"batch_norm": True}),
-     "variables/batch_stats/BatchNorm_0/mean: in the model"),
-    ("another optimizer", "train", lambda: (_adam, {}),
-     "train/opt_state/0/count: in the model"),
+    (
+        "other layer sizes",
+        "train",
+        lambda: (h.model_fn, {"hidden": 32}),
+        r"variables/params/hidden/kernel: checkpoint shape \(6, 16\), model shape \(6, 32\)",
+    ),
+    (
+        "other variable names",
+        "evaluate",
+        lambda: (_other_names, {}),
+        r"variables/params/other/kernel: in the model \(6, 3\), not in the checkpoint",
+    ),
+    (
+        "an extra collection",
+        "predict",
+        lambda: (h.model_fn, {"batch_norm": True}),
+        "variables/batch_stats/BatchNorm_0/mean: in the model",
+    ),
+    ("another optimizer", "train", lambda: (_adam, {}), "train/opt_state/0/count: in the model"),
 ]
 
 
-@pytest.mark.parametrize("call,make,match", [m[1:] for m in MISMATCHES],
-                         ids=[m[0] for m in MISMATCHES])
+@pytest.mark.parametrize(
+    "call,make,match", [m[1:] for m in MISMATCHES], ids=[m[0] for m in MISMATCHES]
+)
 def test_unrelated_checkpoint_in_model_dir_names_the_mismatch(ctx, call, make, match):
     fn, params = make()
     est = _est(ctx.trained, fn, params=params)
@@ -278,8 +436,9 @@ def test_explicit_checkpoint_path_to_a_damaged_step_is_an_error_not_a_fallback(c
     manifest = ctx.trained / "checkpoints" / "2" / "variables" / "manifest.ocdbt"
     manifest.write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match="checkpoints/2"):
-        _est(ctx.trained).evaluate(_batches(GOOD),
-                                   checkpoint_path=str(ctx.trained / "checkpoints" / "2"))
+        _est(ctx.trained).evaluate(
+            _batches(GOOD), checkpoint_path=str(ctx.trained / "checkpoints" / "2")
+        )
 
 
 def test_max_steps_below_the_current_step_is_a_logged_no_op(ctx, caplog):
@@ -292,6 +451,7 @@ def test_max_steps_below_the_current_step_is_a_logged_no_op(ctx, caplog):
     with caplog.at_level(logging.INFO, logger="estimator"):
         assert est.train(input_fn, max_steps=1) is est
     assert "Skipping training since max_steps has already saved (step 2; max_steps 1)" in (
-        caplog.text)
+        caplog.text
+    )
     assert _snapshot(ctx.trained) == before
     assert est.get_variable_value("global_step") == 2

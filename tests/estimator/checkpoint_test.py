@@ -30,10 +30,14 @@ pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptio
 
 def _est(model_dir) -> estimator.TPUEstimator:
     return estimator.TPUEstimator(
-        h.model_fn, params={"batch_norm": True},
-        config=h.config(model_dir, iterations_per_loop=2, save_checkpoints_steps=2,
-                        keep_checkpoint_max=None),
-        train_batch_size=16, eval_batch_size=16)
+        h.model_fn,
+        params={"batch_norm": True},
+        config=h.config(
+            model_dir, iterations_per_loop=2, save_checkpoints_steps=2, keep_checkpoint_max=None
+        ),
+        train_batch_size=16,
+        eval_batch_size=16,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +46,9 @@ def trained(tmp_path_factory):
     x, y = h.make_data()
     base = tmp_path_factory.mktemp("base")
     _est(base).train(h.train_input_fn(x, y), max_steps=6)
-    at4 = _est(base).evaluate(h.eval_input_fn(x, y),
-                              checkpoint_path=str(base / "checkpoints" / "4"))
+    at4 = _est(base).evaluate(
+        h.eval_input_fn(x, y), checkpoint_path=str(base / "checkpoints" / "4")
+    )
     ref = tmp_path_factory.mktemp("reference")
     reference = _est(ref)
     reference.train(h.train_input_fn(x, y), max_steps=8)
@@ -72,6 +77,7 @@ def _truncate(pattern: str):
         for f in files:
             with open(f, "r+b") as fh:
                 fh.truncate(os.path.getsize(f) // 2)
+
     return damage
 
 
@@ -79,6 +85,7 @@ def _write(name: str, content: bytes):
     def damage(step_dir: Path):
         assert (step_dir / name).exists(), name
         (step_dir / name).write_bytes(content)
+
     return damage
 
 
@@ -88,6 +95,7 @@ def _remove(pattern: str):
         assert paths, pattern
         for p in paths:
             shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+
     return damage
 
 
@@ -116,8 +124,9 @@ DAMAGE = {
     "garbage OCDBT manifest": _write("variables/manifest.ocdbt", b"\x00garbage"),
     "garbage variables/_METADATA": _write("variables/_METADATA", b"not json"),
     "garbage meta": _write("meta/metadata", b"not json"),
-    "meta naming another step": _write("meta/metadata", json.dumps(
-        {"global_step": 5, "input_pulls": 5}).encode()),
+    "meta naming another step": _write(
+        "meta/metadata", json.dumps({"global_step": 5, "input_pulls": 5}).encode()
+    ),
 }
 
 
@@ -134,8 +143,12 @@ def test_evaluate_skips_a_damaged_checkpoint(trained, tmp_path, caplog, damage):
     assert _snapshot(model_dir / "checkpoints") == before  # a reader changes nothing
 
 
-TRAIN_CASES = ["truncated variables data", "train item deleted", "garbage OCDBT manifest",
-               "meta naming another step"]
+TRAIN_CASES = [
+    "truncated variables data",
+    "train item deleted",
+    "garbage OCDBT manifest",
+    "meta naming another step",
+]
 
 
 def _truncated_train_data(step_dir: Path):
@@ -153,8 +166,9 @@ def test_train_resumes_from_the_previous_good_checkpoint(trained, tmp_path, capl
     est = _est(model_dir)
     with caplog.at_level(logging.WARNING, logger="estimator"):
         est.train(h.train_input_fn(x, y), max_steps=8)
-    assert any("Skipping unreadable checkpoint at step 6" in r.getMessage()
-               for r in caplog.records), caplog.text
+    assert any(
+        "Skipping unreadable checkpoint at step 6" in r.getMessage() for r in caplog.records
+    ), caplog.text
     # Resumed from step 4 with the input repositioned: exactly the uninterrupted run.
     h.assert_params_close(h.params_of(est), trained["params_at_8"], rtol=0, atol=0)
     # Nothing saved was deleted: the damaged step was moved aside byte for byte.

@@ -33,11 +33,19 @@ class Job:
     """The training job as a subprocess whose stdout lines can be waited on."""
 
     def __init__(self, model_dir: Path, log: Path, *extra: str):
-        cmd = [sys.executable, "-m", "tests.estimator._train_job", str(model_dir),
-               "--max_steps", str(MAX_STEPS), *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tests.estimator._train_job",
+            str(model_dir),
+            "--max_steps",
+            str(MAX_STEPS),
+            *extra,
+        ]
         self.err = open(log, "a")  # noqa: SIM115 - closed in wait()
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=self.err,
-                                     text=True, bufsize=1)
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=self.err, text=True, bufsize=1
+        )
         self.lines: queue.Queue = queue.Queue()
         self.seen: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -148,8 +156,12 @@ def test_sigkill_at_random_points_resumes_bitwise(tmp_path):
     model_dir = tmp_path / "killed"
     job_args = ("--sleep", "0.03", "--cache", cache)
     loop_a, loop_b = sorted(rng.sample(range(6, MAX_STEPS - 4, 2), 2))
-    plan = [("loop", loop_a), ("saving", loop_a + 2), ("time", rng.uniform(0.5, 4.0)),
-            ("loop", loop_b)]
+    plan = [
+        ("loop", loop_a),
+        ("saving", loop_a + 2),
+        ("time", rng.uniform(0.5, 4.0)),
+        ("loop", loop_b),
+    ]
     events, saved_before, retries = [], set(), 3
     while plan:
         kind, point = plan.pop(0)
@@ -164,7 +176,8 @@ def test_sigkill_at_random_points_resumes_bitwise(tmp_path):
         if kind == "saving" and killed:
             step = _saving_step(line)
             mid_write = str(step) not in _steps(model_dir) and any(
-                t.startswith(f"{step}.orbax-checkpoint-tmp") for t in _tmp_dirs(model_dir))
+                t.startswith(f"{step}.orbax-checkpoint-tmp") for t in _tmp_dirs(model_dir)
+            )
             if not mid_write and retries:  # the write won the race: try at the next save
                 retries -= 1
                 plan.insert(0, (kind, step + 2))

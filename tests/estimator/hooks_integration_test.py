@@ -5,9 +5,7 @@ import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
-import flax.linen as nn
 
 import estimator
 import hooks
@@ -16,16 +14,22 @@ from tests import helpers as h
 
 def _est(model_dir, model_fn=h.model_fn, *, ipl=5, batch=16, **cfg):
     return estimator.TPUEstimator(
-        model_fn, config=h.config(model_dir, iterations_per_loop=ipl, **cfg),
-        train_batch_size=batch, eval_batch_size=batch, predict_batch_size=batch,
+        model_fn,
+        config=h.config(model_dir, iterations_per_loop=ipl, **cfg),
+        train_batch_size=batch,
+        eval_batch_size=batch,
+        predict_batch_size=batch,
     )
 
 
 def test_logging_hook_every_3_steps_with_loops_of_5(tmp_path, caplog):
     x, y = h.make_data()
     seen = []
-    hook = hooks.LoggingTensorHook({"step": "global_step", "loss": "loss"}, every_n_iter=3,
-                                   formatter=lambda d: seen.append(int(d["step"])) or "x")
+    hook = hooks.LoggingTensorHook(
+        {"step": "global_step", "loss": "loss"},
+        every_n_iter=3,
+        formatter=lambda d: seen.append(int(d["step"])) or "x",
+    )
     with caplog.at_level(logging.INFO, logger="estimator"):
         _est(tmp_path).train(h.train_input_fn(x, y), max_steps=14, hooks=[hook])
     assert seen == [3, 6, 9, 12]
@@ -60,8 +64,7 @@ class _Recorder(hooks.SessionRunHook):
 
 
 def _lifecycle(mode, loops):
-    return ["begin", f"after_create_session:{mode}"] + ["before_run", "after_run"] * loops + [
-        "end"]
+    return ["begin", f"after_create_session:{mode}"] + ["before_run", "after_run"] * loops + ["end"]
 
 
 def test_lifecycle_and_request_stop_in_train(tmp_path):
@@ -157,8 +160,9 @@ def test_checkpoint_saver_hook_with_listener(tmp_path):
             saved.append(global_step)
 
     hook = hooks.CheckpointSaverHook(str(tmp_path), save_steps=4, listeners=[Listener()])
-    _est(tmp_path, ipl=2, keep_checkpoint_max=None).train(h.train_input_fn(x, y), max_steps=8,
-                                                          hooks=[hook])
+    _est(tmp_path, ipl=2, keep_checkpoint_max=None).train(
+        h.train_input_fn(x, y), max_steps=8, hooks=[hook]
+    )
     assert saved[:2] == [4, 8]
     steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert {4, 8} <= set(steps)
@@ -191,12 +195,19 @@ def test_early_stopping_in_train_and_evaluate(tmp_path):
     # steps per round the hook stops once the best is 4+ steps old: after round 5's eval.
     model_fn, counter = _scripted_model_fn([5.0, 4.0, 3.0, 3.5, 3.6, 3.7, 3.8, 3.9, 4.0, 4.1])
     est = _est(tmp_path, model_fn, ipl=2, save_checkpoints_steps=2)
-    stop = hooks.stop_if_no_decrease_hook(est, "score", max_steps_without_decrease=4,
-                                          run_every_secs=0)
+    stop = hooks.stop_if_no_decrease_hook(
+        est, "score", max_steps_without_decrease=4, run_every_secs=0
+    )
     result, _ = estimator.train_and_evaluate(
-        est, estimator.TrainSpec(h.train_input_fn(x, y), max_steps=40, hooks=[stop]),
-        estimator.EvalSpec(h.eval_input_fn(x[:32], y[:32]), steps=None, throttle_secs=0,
-                           start_delay_secs=0, hooks=[counter]),
+        est,
+        estimator.TrainSpec(h.train_input_fn(x, y), max_steps=40, hooks=[stop]),
+        estimator.EvalSpec(
+            h.eval_input_fn(x[:32], y[:32]),
+            steps=None,
+            throttle_secs=0,
+            start_delay_secs=0,
+            hooks=[counter],
+        ),
     )
     # evals at steps 2, 4, 6 (best 3.0), 8, 10. Training from 10 to 12 sees the eval at 10,
     # 4 steps after the best: the hook stops it, and the final evaluation is at step 12.
@@ -209,16 +220,19 @@ def test_train_and_evaluate_compiles_each_loop_once(tmp_path):
     est = _est(tmp_path, ipl=2, save_checkpoints_steps=4)
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda name, *a, **k: compiles.append(name) if "backend_compile" in name else None)
+        lambda name, *a, **k: compiles.append(name) if "backend_compile" in name else None
+    )
     spec_t = estimator.TrainSpec(h.train_input_fn(x, y), max_steps=4)
-    spec_e = estimator.EvalSpec(h.eval_input_fn(x, y), steps=None, throttle_secs=0,
-                                start_delay_secs=0)
+    spec_e = estimator.EvalSpec(
+        h.eval_input_fn(x, y), steps=None, throttle_secs=0, start_delay_secs=0
+    )
     estimator.train_and_evaluate(est, spec_t, spec_e)
     first_round = len(compiles)
     assert first_round > 0
     compiles.clear()
     result, _ = estimator.train_and_evaluate(
-        est, estimator.TrainSpec(h.train_input_fn(x, y), max_steps=16), spec_e)
+        est, estimator.TrainSpec(h.train_input_fn(x, y), max_steps=16), spec_e
+    )
     assert result["global_step"] == 16
     assert compiles == []
 
@@ -250,8 +264,12 @@ def test_progress_lines_on_every_backend(tmp_path, use_tpu):
     x, y = h.make_data()
     with _Logs() as logs:
         est = estimator.TPUEstimator(
-            h.model_fn, config=h.config(tmp_path, iterations_per_loop=2, log_step_count_steps=2),
-            use_tpu=use_tpu, train_batch_size=16, eval_batch_size=16)
+            h.model_fn,
+            config=h.config(tmp_path, iterations_per_loop=2, log_step_count_steps=2),
+            use_tpu=use_tpu,
+            train_batch_size=16,
+            eval_batch_size=16,
+        )
         est.train(h.train_input_fn(x, y), max_steps=6)
         est.evaluate(h.eval_input_fn(x, y))
     text = "\n".join(logs.lines)
@@ -274,8 +292,9 @@ def test_logged_loss_is_the_replica_and_loop_mean(tmp_path):
 
     with _Logs() as logs:
         _est(tmp_path, ipl=4, log_step_count_steps=4).train(
-            h.train_input_fn(x, y), max_steps=4, hooks=[Loss()])
-    line = next(l for l in logs.lines if l.startswith("loss = "))
+            h.train_input_fn(x, y), max_steps=4, hooks=[Loss()]
+        )
+    line = next(m for m in logs.lines if m.startswith("loss = "))
     assert float(line.split("=")[1].split(",")[0]) == pytest.approx(float(np.mean(got[0])))
 
 

@@ -3,12 +3,11 @@
 import threading
 import time
 
-import jax
+import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import flax.linen as nn
 
 import estimator
 import metrics
@@ -29,13 +28,22 @@ def _recording_model_fn(seen: list):
         pred = nn.Dense(1)(rows[:, None].astype(jnp.float32))[:, 0]
         replica = estimator.get_replica_context().replica_id_in_sync_group
         if mode == estimator.ModeKeys.PREDICT:
-            return estimator.TPUEstimatorSpec(mode, predictions={
-                "row": rows, "replica": jnp.full(rows.shape, replica)})
+            return estimator.TPUEstimatorSpec(
+                mode, predictions={"row": rows, "replica": jnp.full(rows.shape, replica)}
+            )
         loss = jnp.mean((pred - labels) ** 2)
         return estimator.TPUEstimatorSpec(
-            mode, loss=loss, train_op=optax.sgd(0.0),
-            host_call=(host_fn, [rows, jnp.full(rows.shape, replica),
-                                 jnp.reshape(estimator.get_global_step(), (1,))]),
+            mode,
+            loss=loss,
+            train_op=optax.sgd(0.0),
+            host_call=(
+                host_fn,
+                [
+                    rows,
+                    jnp.full(rows.shape, replica),
+                    jnp.reshape(estimator.get_global_step(), (1,)),
+                ],
+            ),
             eval_metrics=(_collect_rows, [rows]),
         )
 
@@ -78,9 +86,9 @@ def test_each_replica_gets_its_slice_of_the_stream(tmp_path, mode, input_batch, 
     seen, calls = [], []
     est = estimator.TPUEstimator(
         _recording_model_fn(seen),
-        config=h.config(tmp_path, iterations_per_loop=3,
-                        tpu={"per_host_input_for_training": mode}),
-        train_batch_size=32)
+        config=h.config(tmp_path, iterations_per_loop=3, tpu={"per_host_input_for_training": mode}),
+        train_batch_size=32,
+    )
     est.train(_stream(calls), max_steps=3)
     assert len(calls) == 1 and calls[0][0] == input_batch
     ctx = calls[0][1]
@@ -103,7 +111,10 @@ def test_eval_and_predict_see_every_example_once_in_each_mode(tmp_path, mode):
     est = estimator.TPUEstimator(
         _recording_model_fn(seen),
         config=h.config(tmp_path, iterations_per_loop=2, tpu={"per_host_input_for_training": mode}),
-        train_batch_size=32, eval_batch_size=32, predict_batch_size=32)
+        train_batch_size=32,
+        eval_batch_size=32,
+        predict_batch_size=32,
+    )
     est.train(_stream([]), max_steps=1)
     n = 75
 
@@ -144,8 +155,7 @@ def test_input_formats_train_the_same(tmp_path, name):
 
     est = estimator.TPUEstimator(model_fn, config=h.config(tmp_path / name), train_batch_size=16)
     est.train(input_fn)
-    ref = estimator.TPUEstimator(h.model_fn, config=h.config(tmp_path / "ref"),
-                                 train_batch_size=16)
+    ref = estimator.TPUEstimator(h.model_fn, config=h.config(tmp_path / "ref"), train_batch_size=16)
     ref.train(h.train_input_fn(x, y), max_steps=4)
     h.assert_params_close(h.params_of(est), h.params_of(ref), rtol=1e-6, atol=1e-7)
 
@@ -162,8 +172,9 @@ class _Dataset:
 
 def test_as_numpy_iterator_and_features_only_predict(tmp_path):
     x, y = h.make_data()
-    est = estimator.TPUEstimator(h.model_fn, config=h.config(tmp_path), train_batch_size=16,
-                                 predict_batch_size=16)
+    est = estimator.TPUEstimator(
+        h.model_fn, config=h.config(tmp_path), train_batch_size=16, predict_batch_size=16
+    )
     est.train(lambda params: _Dataset([({"x": x[:16]}, y[:16])] * 3))
     assert est.get_variable_value("global_step") == 3
     preds = list(est.predict(lambda params: _Dataset([{"x": x[:16]}, {"x": x[16:20]}])))
@@ -175,33 +186,66 @@ def test_input_fn_errors_surface_with_their_traceback(tmp_path):
         yield {"x": np.zeros((16, 6), np.float32)}, np.zeros(16, np.int32)
         raise RuntimeError("disk on fire")
 
-    est = estimator.TPUEstimator(h.model_fn, config=h.config(tmp_path, iterations_per_loop=1),
-                                 train_batch_size=16)
+    est = estimator.TPUEstimator(
+        h.model_fn, config=h.config(tmp_path, iterations_per_loop=1), train_batch_size=16
+    )
     with pytest.raises(RuntimeError, match="disk on fire") as info:
         est.train(input_fn, max_steps=5)
     assert any(t.name == "input_fn" for t in info.traceback)
 
 
 SHAPE_ERRORS = [
-    ("changed feature shape", lambda i: ({"x": np.zeros((16, 6 if i == 0 else 5), np.float32)},
-                                         np.zeros(16, np.int32)), ValueError, r"\['x'\].*\(16, 5\)"),
-    ("too many rows", lambda i: ({"x": np.zeros((16 if i == 0 else 32, 6), np.float32)},
-                                 np.zeros(16 if i == 0 else 32, np.int32)), ValueError, "32 rows"),
-    ("uncastable dtype", lambda i: ({"x": np.zeros((16, 6), np.float32 if i == 0 else np.complex64)},
-                                    np.zeros(16, np.int32)), TypeError, "complex64"),
-    ("structure change", lambda i: ({"x": np.zeros((16, 6), np.float32)} if i == 0 else
-                                    {"z": np.zeros((16, 6), np.float32)}, np.zeros(16, np.int32)),
-     ValueError, "structure"),
-    ("mismatched rows", lambda i: ({"x": np.zeros((16, 6), np.float32)},
-                                   np.zeros(16 if i == 0 else 8, np.int32)), ValueError, "rows"),
+    (
+        "changed feature shape",
+        lambda i: ({"x": np.zeros((16, 6 if i == 0 else 5), np.float32)}, np.zeros(16, np.int32)),
+        ValueError,
+        r"\['x'\].*\(16, 5\)",
+    ),
+    (
+        "too many rows",
+        lambda i: (
+            {"x": np.zeros((16 if i == 0 else 32, 6), np.float32)},
+            np.zeros(16 if i == 0 else 32, np.int32),
+        ),
+        ValueError,
+        "32 rows",
+    ),
+    (
+        "uncastable dtype",
+        lambda i: (
+            {"x": np.zeros((16, 6), np.float32 if i == 0 else np.complex64)},
+            np.zeros(16, np.int32),
+        ),
+        TypeError,
+        "complex64",
+    ),
+    (
+        "structure change",
+        lambda i: (
+            {"x": np.zeros((16, 6), np.float32)}
+            if i == 0
+            else {"z": np.zeros((16, 6), np.float32)},
+            np.zeros(16, np.int32),
+        ),
+        ValueError,
+        "structure",
+    ),
+    (
+        "mismatched rows",
+        lambda i: ({"x": np.zeros((16, 6), np.float32)}, np.zeros(16 if i == 0 else 8, np.int32)),
+        ValueError,
+        "rows",
+    ),
 ]
 
 
-@pytest.mark.parametrize("make,error,match", [c[1:] for c in SHAPE_ERRORS],
-                         ids=[c[0] for c in SHAPE_ERRORS])
+@pytest.mark.parametrize(
+    "make,error,match", [c[1:] for c in SHAPE_ERRORS], ids=[c[0] for c in SHAPE_ERRORS]
+)
 def test_shape_and_dtype_errors_name_the_entry(tmp_path, make, error, match):
-    est = estimator.TPUEstimator(h.model_fn, config=h.config(tmp_path, iterations_per_loop=1),
-                                 train_batch_size=16)
+    est = estimator.TPUEstimator(
+        h.model_fn, config=h.config(tmp_path, iterations_per_loop=1), train_batch_size=16
+    )
     with pytest.raises(error, match=match):
         est.train(lambda params: (make(i) for i in range(3)), max_steps=3)
 
@@ -214,8 +258,9 @@ def test_castable_dtype_is_converted_without_recompiling(tmp_path):
             xs = x[16 * i : 16 * i + 16].astype(np.float16 if i == 2 else np.float64)
             yield {"x": xs}, y[16 * i : 16 * i + 16].astype(np.int64)
 
-    est = estimator.TPUEstimator(h.model_fn, config=h.config(tmp_path, iterations_per_loop=1),
-                                 train_batch_size=16)
+    est = estimator.TPUEstimator(
+        h.model_fn, config=h.config(tmp_path, iterations_per_loop=1), train_batch_size=16
+    )
     est.train(input_fn)
     assert est.get_variable_value("global_step") == 4
 
@@ -235,12 +280,15 @@ def test_slow_input_overlaps_with_compute(tmp_path):
 
     def model_fn(features, labels, mode, params):
         spec = h.model_fn(features, labels, mode, params)
-        spec.host_call = (lambda s: events.append(("host", int(s[0]), time.monotonic())),
-                          [jnp.reshape(estimator.get_global_step(), (1,))])
+        spec.host_call = (
+            lambda s: events.append(("host", int(s[0]), time.monotonic())),
+            [jnp.reshape(estimator.get_global_step(), (1,))],
+        )
         return spec
 
-    est = estimator.TPUEstimator(model_fn, config=h.config(tmp_path, iterations_per_loop=2),
-                                 train_batch_size=16)
+    est = estimator.TPUEstimator(
+        model_fn, config=h.config(tmp_path, iterations_per_loop=2), train_batch_size=16
+    )
     est.train(input_fn)
     reads = [t for kind, _, t in events if kind == "read"]
     hosts = {s: t for kind, s, t in events if kind == "host"}

@@ -2,7 +2,6 @@
 
 import flax.linen as nn
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 
@@ -20,9 +19,11 @@ def _sharded_model_fn(features, labels, mode, params):
     logits = nn.Dense(3, name="out")(nn.relu(hidden))
     mask = estimator.padding_mask()
     loss = (optax.softmax_cross_entropy_with_integer_labels(logits, labels) * mask).sum() / (
-        jnp.maximum(mask.sum(), 1.0))
-    return estimator.TPUEstimatorSpec(mode, loss=loss, train_op=optax.sgd(0.1),
-                                      eval_metrics=(h.metric_fn, [labels, logits]))
+        jnp.maximum(mask.sum(), 1.0)
+    )
+    return estimator.TPUEstimatorSpec(
+        mode, loss=loss, train_op=optax.sgd(0.1), eval_metrics=(h.metric_fn, [labels, logits])
+    )
 
 
 def _train(tmp_path, *, cores, images=False, input_partition_dims=None):
@@ -31,8 +32,11 @@ def _train(tmp_path, *, cores, images=False, input_partition_dims=None):
         x = x.reshape(-1, 4, 4, 1)
     tpu = {"num_cores_per_replica": cores, "input_partition_dims": input_partition_dims}
     est = estimator.TPUEstimator(
-        _sharded_model_fn, config=h.config(tmp_path, iterations_per_loop=2, tpu=tpu),
-        train_batch_size=16, eval_batch_size=16)
+        _sharded_model_fn,
+        config=h.config(tmp_path, iterations_per_loop=2, tpu=tpu),
+        train_batch_size=16,
+        eval_batch_size=16,
+    )
     est.train(h.train_input_fn(x, y), max_steps=6)
     return est, est.evaluate(h.eval_input_fn(x, y))
 
@@ -53,8 +57,9 @@ def test_two_cores_per_replica_matches_data_parallel(tmp_path):
 
 def test_input_partition_dims_splits_images_spatially(tmp_path):
     plain, plain_eval = _train(tmp_path / "plain", cores=2, images=True)
-    split, split_eval = _train(tmp_path / "split", cores=2, images=True,
-                               input_partition_dims=[[1, 2, 1, 1], None])
+    split, split_eval = _train(
+        tmp_path / "split", cores=2, images=True, input_partition_dims=[[1, 2, 1, 1], None]
+    )
     h.assert_params_close(h.params_of(plain), h.params_of(split), rtol=1e-4, atol=1e-5)
     assert split_eval["accuracy"] == plain_eval["accuracy"]
 

@@ -32,8 +32,9 @@ RUN_TIMEOUT = 240  # seconds for one two-process run, start-up and compilation i
 
 
 def _tf_config(workers, index, kind="worker", **cluster):
-    return json.dumps({"cluster": {"worker": workers, **cluster},
-                       "task": {"type": kind, "index": index}})
+    return json.dumps(
+        {"cluster": {"worker": workers, **cluster}, "task": {"type": kind, "index": index}}
+    )
 
 
 # ----------------------------------------------------------------------------- the resolver
@@ -53,13 +54,16 @@ def test_resolver_chief_is_process_0(monkeypatch):
     assert parse_tf_config(_tf_config(["w0:1"], 0, kind="chief", chief=["c:9"]))["process_id"] == 0
 
 
-@pytest.mark.parametrize("text, match", [
-    ("{not json", "not valid JSON"),
-    (_tf_config(["a:1", "b:2"], 2), r"index'\]=2 is outside the 2 worker"),
-    (_tf_config(["a:1"], 0, kind="ps"), "'ps'"),
-    (_tf_config(["a:1"], 0, ps=["p:1"]), r"lists \['ps'\]"),
-    (_tf_config(["no-port"], 0), "host:port"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("{not json", "not valid JSON"),
+        (_tf_config(["a:1", "b:2"], 2), r"index'\]=2 is outside the 2 worker"),
+        (_tf_config(["a:1"], 0, kind="ps"), "'ps'"),
+        (_tf_config(["a:1"], 0, ps=["p:1"]), r"lists \['ps'\]"),
+        (_tf_config(["no-port"], 0), "host:port"),
+    ],
+)
 def test_resolver_rejects_bad_tf_config(monkeypatch, text, match):
     monkeypatch.setenv("TF_CONFIG", text)
     with pytest.raises(ClusterConfigError, match=match):
@@ -76,11 +80,15 @@ def test_resolver_arguments_must_agree_with_tf_config(monkeypatch):
 def test_resolver_arguments_and_timeouts(monkeypatch):
     monkeypatch.delenv("TF_CONFIG", raising=False)
     monkeypatch.setenv("TPU_ESTIMATOR_HEARTBEAT_TIMEOUT", "7")
-    r = TPUClusterResolver(coordinator_address="10.0.0.1:1234", num_processes=2, process_id=1,
-                           shutdown_timeout=3)
+    r = TPUClusterResolver(
+        coordinator_address="10.0.0.1:1234", num_processes=2, process_id=1, shutdown_timeout=3
+    )
     assert r.cluster_spec() == {"worker": ["10.0.0.1:1234"]}
-    assert r.timeouts == {"initialization_timeout": 300, "heartbeat_timeout": 7,
-                          "shutdown_timeout": 3}
+    assert r.timeouts == {
+        "initialization_timeout": 300,
+        "heartbeat_timeout": 7,
+        "shutdown_timeout": 3,
+    }
     with pytest.raises(ValueError, match="process_id=2 must be smaller than num_processes=2"):
         TPUClusterResolver(coordinator_address="h:1", num_processes=2, process_id=2)
     with pytest.raises(ValueError, match="'host:port'"):
@@ -94,12 +102,17 @@ def test_local_resolver_connects_to_nothing(monkeypatch):
     r = TPUClusterResolver()
     assert r.mode == "local" and r.cluster_spec() == {} and r.master() == ""
     r.connect()  # one process: nothing to join
-    est = estimator.TPUEstimator(lambda features, labels, mode, params: None,
-                                 config=estimator.RunConfig(cluster=r), train_batch_size=8)
+    est = estimator.TPUEstimator(
+        lambda features, labels, mode, params: None,
+        config=estimator.RunConfig(cluster=r),
+        train_batch_size=8,
+    )
     assert est.num_replicas == 8
     with pytest.raises(TypeError, match="RunConfig.cluster must be a TPUClusterResolver"):
-        estimator.TPUEstimator(lambda features, labels, mode, params: None,
-                               config=estimator.RunConfig(cluster="grpc://x"))
+        estimator.TPUEstimator(
+            lambda features, labels, mode, params: None,
+            config=estimator.RunConfig(cluster="grpc://x"),
+        )
 
 
 def test_connect_after_devices_were_used_is_a_clear_error(monkeypatch):
@@ -133,9 +146,11 @@ def test_cli_hands_num_processes_to_the_launcher(monkeypatch):
 
 
 def test_launcher_kills_the_rest_when_one_fails(tmp_path):
-    script = ("import json, os, sys, time\n"
-              "i = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"
-              "sys.exit(3) if i == 1 else time.sleep(60)\n")
+    script = (
+        "import json, os, sys, time\n"
+        "i = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"
+        "sys.exit(3) if i == 1 else time.sleep(60)\n"
+    )
     start = time.monotonic()
     rc = launch.launch_local(2, ["-c", script], command=[sys.executable], grace=1, timeout=30)
     assert rc == 3 and time.monotonic() - start < 20
@@ -145,17 +160,32 @@ def test_launched_processes_form_one_job():
     """``python -m estimator.launch``: two children, 4 devices each, joined by
     ``TPUStrategy(TPUClusterResolver())`` into one 8-device job."""
     out = subprocess.run(
-        [sys.executable, "-m", "estimator.launch", "--num_processes", "2", "--timeout", "120",
-         "--", "-m", "tests.estimator._multihost_job", "--probe"],
-        capture_output=True, text=True, timeout=150,
+        [
+            sys.executable,
+            "-m",
+            "estimator.launch",
+            "--num_processes",
+            "2",
+            "--timeout",
+            "120",
+            "--",
+            "-m",
+            "tests.estimator._multihost_job",
+            "--probe",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [ln for ln in out.stdout.splitlines() if "PROBE " in ln]
-    probes = sorted((json.loads(ln.split("PROBE ", 1)[1]) for ln in lines),
-                    key=lambda p: p["process_index"])
+    probes = sorted(
+        (json.loads(ln.split("PROBE ", 1)[1]) for ln in lines), key=lambda p: p["process_index"]
+    )
     assert [ln.startswith("[process 1] ") for ln in sorted(lines)] == [False, True]
-    assert [(p["process_index"], p["process_count"], p["local_devices"], p["devices"])
-            for p in probes] == [(0, 2, 4, 8), (1, 2, 4, 8)]
+    assert [
+        (p["process_index"], p["process_count"], p["local_devices"], p["devices"]) for p in probes
+    ] == [(0, 2, 4, 8), (1, 2, 4, 8)]
     for p in probes:
         assert [g["index"] for g in p["gathered"]] == [0, 1]
         assert p["broadcast"] == "from 0" and p["any_of"] == [True, False]
@@ -178,8 +208,9 @@ def test_sharded_digits_input_is_the_one_process_input():
             got = [h for h in halves if h is not None]
             np.testing.assert_array_equal(np.concatenate([h[0] for h in got]), whole[0])
             np.testing.assert_array_equal(np.concatenate([h[1] for h in got]), whole[1])
-    got = list(shard_batches(lambda b: [np.arange(b)], {"batch_size": 2},
-                             estimator.InputContext(2, 1, 2)))
+    got = list(
+        shard_batches(lambda b: [np.arange(b)], {"batch_size": 2}, estimator.InputContext(2, 1, 2))
+    )
     assert [x.tolist() for x in got] == [[2, 3]]
 
 
@@ -240,12 +271,29 @@ def two_process_runs(tmp_path_factory):
     model_dir, out_dir = str(root / "model"), str(root / "out")
     os.makedirs(out_dir)
     first = launch.start_local(
-        2, [model_dir, out_dir, "--max_steps", "60", "--sleep", "2", "--sleep_from",
-            str(job.SAVE_EVERY), "--train_only"],
-        command=JOB, log_dir=str(root / "logs_killed"), timeouts=TIMEOUTS)
+        2,
+        [
+            model_dir,
+            out_dir,
+            "--max_steps",
+            "60",
+            "--sleep",
+            "2",
+            "--sleep_from",
+            str(job.SAVE_EVERY),
+            "--train_only",
+        ],
+        command=JOB,
+        log_dir=str(root / "logs_killed"),
+        timeouts=TIMEOUTS,
+    )
     try:
-        _wait_for(lambda: os.path.isdir(os.path.join(model_dir, "checkpoints", "9")), first,
-                  RUN_TIMEOUT, "the step-9 checkpoint of the first run")
+        _wait_for(
+            lambda: os.path.isdir(os.path.join(model_dir, "checkpoints", "9")),
+            first,
+            RUN_TIMEOUT,
+            "the step-9 checkpoint of the first run",
+        )
         first[1].send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
         try:
@@ -257,23 +305,32 @@ def two_process_runs(tmp_path_factory):
         launch.kill_all(first)
     with open(root / "logs_killed" / "process_0.log") as f:
         survivor_log = f.read()
-    second = launch.start_local(2, [model_dir, out_dir], command=JOB,
-                                log_dir=str(root / "logs"), timeouts=TIMEOUTS)
+    second = launch.start_local(
+        2, [model_dir, out_dir], command=JOB, log_dir=str(root / "logs"), timeouts=TIMEOUTS
+    )
     rc = launch.wait_all(second, timeout=RUN_TIMEOUT, grace=20)
     logs = [(root / "logs" / f"process_{i}.log").read_text() for i in (0, 1)]
     assert rc == 0, "restarted run failed:\n" + "\n".join(log[-3000:] for log in logs)
     results = [json.loads((root / "out" / f"process_{i}.json").read_text()) for i in (0, 1)]
-    return {"model_dir": model_dir, "survivor_rc": survivor_rc, "survivor_secs": survivor_secs,
-            "survivor_log": survivor_log, "killed_pid": first[1].pid, "results": results,
-            "logs": logs}
+    return {
+        "model_dir": model_dir,
+        "survivor_rc": survivor_rc,
+        "survivor_secs": survivor_secs,
+        "survivor_log": survivor_log,
+        "killed_pid": first[1].pid,
+        "results": results,
+        "logs": logs,
+    }
 
 
 def test_killed_process_makes_the_other_fail_within_the_timeout(two_process_runs):
     run = two_process_runs
     assert run["survivor_rc"] not in (None, 0), "the surviving process did not exit"
     assert run["survivor_secs"] < 3 * TIMEOUTS["heartbeat_timeout"] + 15
-    assert ("Connection closed by peer" in run["survivor_log"]
-            or "detected fatal errors" in run["survivor_log"]), run["survivor_log"][-3000:]
+    assert (
+        "Connection closed by peer" in run["survivor_log"]
+        or "detected fatal errors" in run["survivor_log"]
+    ), run["survivor_log"][-3000:]
 
 
 def test_restarting_both_processes_resumes_from_the_checkpoint(two_process_runs):

@@ -35,8 +35,11 @@ def _est(model_dir, *, ipl=2, batch=16, **cfg) -> estimator.TPUEstimator:
     cfg.setdefault("save_checkpoints_steps", 2)
     cfg.setdefault("keep_checkpoint_max", None)
     return estimator.TPUEstimator(
-        h.model_fn, config=h.config(model_dir, iterations_per_loop=ipl, **cfg),
-        train_batch_size=batch, eval_batch_size=batch)
+        h.model_fn,
+        config=h.config(model_dir, iterations_per_loop=ipl, **cfg),
+        train_batch_size=batch,
+        eval_batch_size=batch,
+    )
 
 
 def _saved_steps(model_dir) -> list[int]:
@@ -87,9 +90,25 @@ def test_sigterm_checkpoints_at_the_loop_boundary_and_exits(tmp_path):
 def test_sigterm_to_a_training_process_saves_and_exits_143(tmp_path, cache):
     model_dir = tmp_path / "job"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.estimator._train_job", str(model_dir), "--max_steps",
-         "400", "--save_steps", "1000", "--sleep", "0.05", "--cache", cache],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        [
+            sys.executable,
+            "-m",
+            "tests.estimator._train_job",
+            str(model_dir),
+            "--max_steps",
+            "400",
+            "--save_steps",
+            "1000",
+            "--sleep",
+            "0.05",
+            "--cache",
+            cache,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line.strip())
@@ -127,8 +146,11 @@ def test_user_nan_hook_replaces_the_default_check(tmp_path, caplog):
     x, y = _data_with(np.nan, row=16 * 5 + 3)
     est = _est(tmp_path, ipl=4)
     with caplog.at_level(logging.ERROR, logger="estimator"):
-        est.train(h.train_input_fn(x, y), max_steps=12,
-                  hooks=[hooks.NanTensorHook("loss", fail_on_nan_loss=False)])
+        est.train(
+            h.train_input_fn(x, y),
+            max_steps=12,
+            hooks=[hooks.NanTensorHook("loss", fail_on_nan_loss=False)],
+        )
     assert "Model diverged with loss = NaN at global step 6" in caplog.text
     assert est.get_variable_value("global_step") == 8  # stopped after that loop, no error
 
@@ -225,8 +247,11 @@ def test_get_state_set_state_positions_the_input(tmp_path):
 
 def test_encode_state_round_trips_and_names_what_json_cannot_hold():
     state = {"a": b"\x00\xffraw", "b": [1, np.float32(2.5)], "c": {"d": "e"}}
-    assert decode_state(encode_state(state)) == {"a": b"\x00\xffraw", "b": [1, 2.5],
-                                                  "c": {"d": "e"}}
+    assert decode_state(encode_state(state)) == {
+        "a": b"\x00\xffraw",
+        "b": [1, 2.5],
+        "c": {"d": "e"},
+    }
     with pytest.raises(TypeError, match="get_state.*object"):
         encode_state({"it": object()})
 
@@ -237,9 +262,24 @@ def test_evaluation_in_another_process_reads_only_complete_checkpoints(tmp_path,
 
     model_dir, last = tmp_path / "job", 20
     trainer = subprocess.Popen(
-        [sys.executable, "-m", "tests.estimator._train_job", str(model_dir), "--max_steps",
-         str(last), "--save_steps", "2", "--sleep", "0.15", "--cache", cache],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "tests.estimator._train_job",
+            str(model_dir),
+            "--max_steps",
+            str(last),
+            "--save_steps",
+            "2",
+            "--sleep",
+            "0.15",
+            "--cache",
+            cache,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     reader = job.make_estimator(str(model_dir), save_steps=2, keep=None, cache=None)
     seen, deadline = [], time.monotonic() + 90
     with caplog.at_level(logging.WARNING, logger="estimator"):
@@ -257,6 +297,7 @@ def test_evaluation_in_another_process_reads_only_complete_checkpoints(tmp_path,
     assert len(set(steps)) >= 3 and steps == sorted(steps), steps
     # Each result is exactly what that checkpoint gives once training is over: it was complete.
     for step, loss in seen:
-        again = reader.evaluate(job._eval_input_fn,
-                                checkpoint_path=str(model_dir / "checkpoints" / str(step)))
+        again = reader.evaluate(
+            job._eval_input_fn, checkpoint_path=str(model_dir / "checkpoints" / str(step))
+        )
         assert again["loss"] == loss, step

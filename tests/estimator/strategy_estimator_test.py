@@ -18,8 +18,9 @@ class _Mlp(nn.Module):  # the same layers and names as tests.helpers.model_fn bu
 def test_custom_loop_matches_estimator(tmp_path):
     x, y = h.make_data()
     batch = 16
-    est = estimator.TPUEstimator(h.model_fn, config=h.config(tmp_path, iterations_per_loop=2),
-                                 train_batch_size=batch)
+    est = estimator.TPUEstimator(
+        h.model_fn, config=h.config(tmp_path, iterations_per_loop=2), train_batch_size=batch
+    )
     input_fn = h.train_input_fn(x, y)
     est.train(input_fn, max_steps=2)
     start = h.params_of(est)
@@ -28,8 +29,10 @@ def test_custom_loop_matches_estimator(tmp_path):
 
     strategy = estimator.TPUStrategy()
     model, tx = _Mlp(), optax.sgd(0.1)
-    params = {layer: {"kernel": start[f"{layer}/kernel"], "bias": start[f"{layer}/bias"]}
-              for layer in ("hidden", "out")}
+    params = {
+        layer: {"kernel": start[f"{layer}/kernel"], "bias": start[f"{layer}/bias"]}
+        for layer in ("hidden", "out")
+    }
     opt_state = tx.init(params)
     stream = h.train_input_fn(x, y, features_dict=False)({"batch_size": batch})
     batches = [next(stream) for _ in range(8)][2:]
@@ -53,8 +56,9 @@ def test_custom_loop_matches_estimator(tmp_path):
     assert strategy.num_replicas_in_sync == est.num_replicas == 8
     for layer in ("hidden", "out"):
         for leaf in ("kernel", "bias"):
-            np.testing.assert_allclose(np.asarray(params[layer][leaf]),
-                                       expected[f"{layer}/{leaf}"], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(
+                np.asarray(params[layer][leaf]), expected[f"{layer}/{leaf}"], rtol=1e-5, atol=1e-6
+            )
 
 
 def test_replica_context_inside_model_fn(tmp_path):
@@ -69,7 +73,8 @@ def test_replica_context_inside_model_fn(tmp_path):
         spec.loss = ctx.all_reduce(estimator.ReduceOp.MEAN, spec.loss)
         return spec
 
-    est = estimator.TPUEstimator(model_fn, config=h.config(tmp_path), train_batch_size=16,
-                                 eval_batch_size=16)
+    est = estimator.TPUEstimator(
+        model_fn, config=h.config(tmp_path), train_batch_size=16, eval_batch_size=16
+    )
     est.train(h.train_input_fn(x, y), max_steps=2)
     assert seen["replicas"] == 8

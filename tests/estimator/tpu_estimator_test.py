@@ -11,8 +11,12 @@ from tests import helpers as h
 
 def _est(model_dir, *, use_tpu=True, batch=16, ipl=4, params=None, **cfg):
     return estimator.TPUEstimator(
-        h.model_fn, config=h.config(model_dir, iterations_per_loop=ipl, **cfg),
-        params=params or {}, use_tpu=use_tpu, train_batch_size=batch, eval_batch_size=batch,
+        h.model_fn,
+        config=h.config(model_dir, iterations_per_loop=ipl, **cfg),
+        params=params or {},
+        use_tpu=use_tpu,
+        train_batch_size=batch,
+        eval_batch_size=batch,
         predict_batch_size=batch,
     )
 
@@ -105,16 +109,16 @@ def test_eval_and_predict_count_every_example_once(tmp_path, n):
     preds = list(est.predict(h.eval_input_fn(xe, with_row=True)))
     assert len(preds) == n
     assert [int(p["row"]) for p in preds] == list(range(n))
-    np.testing.assert_allclose(np.stack([p["logits"] for p in preds]), logits, rtol=1e-4,
-                               atol=1e-5)
+    np.testing.assert_allclose(np.stack([p["logits"] for p in preds]), logits, rtol=1e-4, atol=1e-5)
 
 
 def test_predict_keys_and_batches(tmp_path):
     x, y = h.make_data()
     est = _est(tmp_path)
     est.train(h.train_input_fn(x, y), max_steps=2)
-    batches = list(est.predict(h.eval_input_fn(x[:40]), predict_keys=["logits"],
-                               yield_single_examples=False))
+    batches = list(
+        est.predict(h.eval_input_fn(x[:40]), predict_keys=["logits"], yield_single_examples=False)
+    )
     assert [b["logits"].shape for b in batches] == [(16, 3), (16, 3), (8, 3)]
     assert set(batches[0]) == {"logits"}
     with pytest.raises(ValueError, match="nope"):
@@ -179,8 +183,10 @@ def test_broadcast_and_per_host_v2_train_like_per_host_v1(tmp_path):
     x, y = h.make_data()
     results = {}
     for mode in ("PER_HOST_V1", "PER_HOST_V2"):
-        est = _est(tmp_path / mode, tpu={"per_host_input_for_training":
-                                         getattr(estimator.InputPipelineConfig, mode)})
+        est = _est(
+            tmp_path / mode,
+            tpu={"per_host_input_for_training": getattr(estimator.InputPipelineConfig, mode)},
+        )
         est.train(h.train_input_fn(x, y), max_steps=4)
         results[mode] = h.params_of(est)
     # PER_HOST_V2 pulls one per-replica batch per replica: the same rows in the same order.
@@ -195,8 +201,13 @@ def test_params_hold_batch_size_and_context(tmp_path):
         seen[mode] = (params["batch_size"], params["context"], params["hidden"])
         return h.model_fn(features, labels, mode, params)
 
-    est = estimator.TPUEstimator(model_fn, config=h.config(tmp_path), params={"hidden": 16},
-                                 train_batch_size=32, eval_batch_size=16)
+    est = estimator.TPUEstimator(
+        model_fn,
+        config=h.config(tmp_path),
+        params={"hidden": 16},
+        train_batch_size=32,
+        eval_batch_size=16,
+    )
     est.train(h.train_input_fn(x, y), max_steps=1)
     est.evaluate(h.eval_input_fn(x, y))
     batch, ctx, hidden = seen["train"]
