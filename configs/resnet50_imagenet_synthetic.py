@@ -6,7 +6,7 @@ A variant of ``resnet18_cifar_synthetic``: bottleneck blocks, the 7x7/stride-2 I
 1000 classes. The data is random, so accuracy is chance (0.1%); the job measures throughput.
 A small pool of distinct images is cycled (224x224x3 float32 images take 602 KB each).
 On TPU/GPU use ``--config.model_params.dtype=bfloat16 --config.train_batch_size=1024
---config.unroll_loops=False --config.iterations_per_loop=100``.
+--config.iterations_per_loop=100``.
 """
 
 import ml_collections
