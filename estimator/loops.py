@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from .mesh import DATA
 from .model import ModelFn, step_rngs
+from .replica_context import is_varying
 from .spec import ModeKeys, TPUEstimatorSpec
 
 
@@ -57,15 +58,11 @@ def host_tensors(value: Any) -> Any:
     return dict(tensors) if isinstance(tensors, Mapping) else list(tensors)
 
 
-def _is_varying(x) -> bool:
-    return DATA in getattr(jax.typeof(x), "vma", ())
-
-
 def replica_mean(tree: Any) -> Any:
     """Averages float leaves over replicas (ints take the max) so state stays replicated."""
 
     def one(x):
-        if not _is_varying(x):
+        if not is_varying(x, DATA):
             return x
         if jnp.issubdtype(x.dtype, jnp.inexact):
             return lax.pmean(x, DATA)

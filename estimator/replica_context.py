@@ -63,7 +63,7 @@ class ReduceOp(enum.Enum):
         raise ValueError(f"reduce op must be ReduceOp.SUM or ReduceOp.MEAN, got {op!r}")
 
 
-def _is_varying(x: Any, axis_name: str) -> bool:
+def is_varying(x: Any, axis_name: str) -> bool:
     """Whether ``x`` is typed as varying over ``axis_name`` (check_vma tracking)."""
     aval = jax.typeof(x)
     vma = getattr(aval, "vma", None)
@@ -178,7 +178,7 @@ class ReplicaContext:
         axis = self._axis_name
 
         def cast(x: Any) -> Any:
-            return x if _is_varying(x, axis) else lax.pcast(x, axis, to="varying")
+            return x if is_varying(x, axis) else lax.pcast(x, axis, to="varying")
 
         return jax.tree.map(cast, value)
 

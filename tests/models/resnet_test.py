@@ -108,13 +108,6 @@ def test_cross_replica_batch_norm_uses_global_batch_statistics(fast_compile):
     assert not np.allclose(local_logits, want_logits, atol=1e-3)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="estimator/loops.py _is_varying reads aval.vma, which jax 0.10.2 avals lack "
-    "(it is aval.manual_axis_type.varying), so per-replica batch_stats are never averaged "
-    "and the scan carry type check fails",
-)
 def test_per_replica_batch_norm_trains_on_8_replicas(tmp_path, fast_compile):
     est = _train(tmp_path, use_tpu=True, cross_replica_bn=False)
     assert est.get_variable_value("global_step") == 2
