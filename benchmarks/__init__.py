@@ -7,7 +7,7 @@ Each benchmark is a module run from the repository root, for example::
 
 Modules: ``train_throughput``, ``host_call_overhead``, ``eval_throughput``, ``startup``,
 ``input_overlap``. They are not part of the test suite (``tests/benchmarks_smoke_test.py``
-only checks that each one runs and prints its rows). See ``docs/performance.md`` for the
+only checks that each one runs and prints its rows). See the README (Performance) for the
 latest numbers and how to read them.
 
 Importing this package sets ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` (unless

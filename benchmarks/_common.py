@@ -94,7 +94,7 @@ def warm_up(est: Any, input_fn: Callable, iterations_per_loop: int) -> None:
     """Compiles everything a later ``train`` call runs: two loops, not one.
 
     The first loop runs on the freshly initialised state and the second on the state the
-    loop returned; when their shardings differ (see docs/performance.md) the loop compiles
+    loop returned; when their shardings differ (see the README, Performance) the loop compiles
     again at the second loop, which a one-loop warm-up would leave to the first timed run.
     """
     est.train(input_fn, steps=2 * iterations_per_loop)

@@ -34,7 +34,7 @@ over ``"data"``, the compiler partitions each replica over ``"model"``. It is co
 same function object each step (a new lambda per step compiles every step). Arguments given to
 every replica are cast to per-replica (``lax.pcast(..., to="varying")``) before ``fn`` sees
 them, so ``jax.grad`` inside ``fn`` gives per-replica gradients and
-``ctx.all_reduce(MEAN, grads)`` is the true mean (see docs/strategy.md, the gradient trap).
+``ctx.all_reduce(MEAN, grads)`` is the true mean (see the README, "The gradient trap").
 
 **Dispatch.** At most ``max_in_flight`` calls of ``run``/``reduce`` (8 on CPU) are queued
 before the oldest is waited for: many queued multi-device programs deadlock XLA:CPU's

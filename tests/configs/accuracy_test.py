@@ -1,6 +1,6 @@
-"""digits_mlp and digits_cnn reach the accuracy docs/models.md states, in short test runs.
+"""digits_mlp and digits_cnn reach the accuracy the README (Model zoo) states, in short test runs.
 
-docs/models.md states >= 95% eval accuracy for both (measured: see the table there).
+the README (Model zoo) states >= 95% eval accuracy for both (measured: see the table there).
 """
 
 import pytest
