@@ -320,6 +320,20 @@ def parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def start(doc: str, argv, probe, *, default_repeats: int = 5):
+    """The prologue every benchmark's ``main`` shares.
+
+    Parses the common flags and quiets logs; a ``--probe`` child runs ``probe`` and gets None,
+    otherwise ``(args, repeats)``.
+    """
+    args = parser(doc.splitlines()[0]).parse_args(argv)
+    quiet_logs()
+    if args.probe:
+        probe(args.probe, args.quick)
+        return None
+    return args, args.repeats or (1 if args.quick else default_repeats)
+
+
 def quiet_logs() -> None:
     """Keeps the estimator's INFO progress lines out of the benchmark's output."""
     import logging

@@ -143,12 +143,10 @@ COLUMNS = [
 
 
 def main(argv: list[str] | None = None) -> str:
-    args = C.parser(__doc__.splitlines()[0]).parse_args(argv)
-    C.quiet_logs()
-    if args.probe:
-        probe(args.probe, args.quick)
+    started = C.start(__doc__, argv, probe)
+    if started is None:
         return ""
-    repeats = args.repeats or (1 if args.quick else 5)
+    args, repeats = started
     data = dataset_for(args.quick)
     tmp = tempfile.mkdtemp(prefix="bench_host_call_")
     try:

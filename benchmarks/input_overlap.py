@@ -152,12 +152,10 @@ COLUMNS = [
 
 
 def main(argv: list[str] | None = None) -> str:
-    args = C.parser(__doc__.splitlines()[0]).parse_args(argv)
-    C.quiet_logs()
-    if args.probe:
-        probe(args.probe, args.quick)
+    started = C.start(__doc__, argv, probe)
+    if started is None:
         return ""
-    repeats = args.repeats or (1 if args.quick else 5)
+    args, repeats = started
     s, data = setting(args.quick), dataset_for(args.quick)
     tmp = tempfile.mkdtemp(prefix="bench_overlap_")
     try:

@@ -186,12 +186,10 @@ COLUMNS = [
 
 
 def main(argv: list[str] | None = None) -> str:
-    args = C.parser(__doc__.splitlines()[0]).parse_args(argv)
-    C.quiet_logs()
-    if args.probe:
-        probe(args.probe, args.quick)
+    started = C.start(__doc__, argv, probe, default_repeats=3)
+    if started is None:
         return ""
-    repeats = args.repeats or (1 if args.quick else 3)
+    args, repeats = started
     # --quick: only the estimator's cold and warm start (two processes)
     loops, modes = (("estimator",), ("cold", "warm")) if args.quick else (LOOPS, MODES)
     results = measure(args.quick, repeats, loops, modes)

@@ -239,12 +239,10 @@ COLUMNS = [
 
 
 def main(argv: list[str] | None = None) -> str:
-    args = C.parser(__doc__.splitlines()[0]).parse_args(argv)
-    C.quiet_logs()
-    if args.probe:
-        probe(args.probe, args.quick)
+    started = C.start(__doc__, argv, probe)
+    if started is None:
         return ""
-    repeats = args.repeats or (1 if args.quick else 5)
+    args, repeats = started
     results = measure(args.quick, repeats)
     mem = C.probe_all(
         __spec__.name, probe_keys(args.quick), quick=args.quick, skip=args.no_memory or args.quick

@@ -13,7 +13,7 @@ from hooks import (
     SessionRunHook,
     SessionRunValues,
 )
-from hooks.base import resolve_fetches
+from hooks.base import fetch_names, resolve_fetches
 
 
 class Session:
@@ -74,8 +74,6 @@ class HookRunner:
                 args = SessionRunArgs(args)
             self._pending.append((h, args))
             if args is not None:
-                from hooks.base import fetch_names
-
                 names += [n for n in fetch_names(args.fetches) if n not in names]
         return names
 
