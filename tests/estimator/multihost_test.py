@@ -327,10 +327,14 @@ def test_killed_process_makes_the_other_fail_within_the_timeout(two_process_runs
     run = two_process_runs
     assert run["survivor_rc"] not in (None, 0), "the surviving process did not exit"
     assert run["survivor_secs"] < 3 * TIMEOUTS["heartbeat_timeout"] + 15
-    assert (
-        "Connection closed by peer" in run["survivor_log"]
-        or "detected fatal errors" in run["survivor_log"]
-    ), run["survivor_log"][-3000:]
+    # How gloo reports the dead peer depends on where the survivor was: waiting on a
+    # connection, or mid-collective when the peer's half-sent data arrived.
+    causes = (
+        "Connection closed by peer",
+        "detected fatal errors",
+        "Received data size doesn't match expected size",
+    )
+    assert any(c in run["survivor_log"] for c in causes), run["survivor_log"][-3000:]
 
 
 def test_restarting_both_processes_resumes_from_the_checkpoint(two_process_runs):
