@@ -50,34 +50,45 @@ def shard_batches(make_batches: Callable[[int], Any], params: dict, input_contex
     ``[i * b, (i + 1) * b)`` of every combined batch, so the processes together see exactly the
     batches one process would, in the same order. It ends when its share of a batch is empty.
     """
-    n, i = (1, 0) if input_context is None else (input_context.num_input_pipelines,
-                                                 input_context.input_pipeline_id)
+    n, i = (
+        (1, 0)
+        if input_context is None
+        else (input_context.num_input_pipelines, input_context.input_pipeline_id)
+    )
     b = params["batch_size"]
     for batch in make_batches(b * n):
         if n == 1:
             yield batch
             continue
-        part = tuple(a[i * b : (i + 1) * b] for a in batch) if isinstance(batch, tuple) else (
-            batch[i * b : (i + 1) * b])
+        part = (
+            tuple(a[i * b : (i + 1) * b] for a in batch)
+            if isinstance(batch, tuple)
+            else (batch[i * b : (i + 1) * b])
+        )
         if len(part[0] if isinstance(part, tuple) else part) == 0:
             return
         yield part
 
 
-def input_fns(train: tuple, evaluation: tuple, *, image_shape: tuple | None = None,
-              seed: int = 0) -> dict[str, Callable]:
+def input_fns(
+    train: tuple, evaluation: tuple, *, image_shape: tuple | None = None, seed: int = 0
+) -> dict[str, Callable]:
     """Standard train/eval/predict input_fns over numpy arrays (sharded by input_context)."""
+
     def shape(x):
         return x if image_shape is None else x.reshape(len(x), *image_shape)
 
     (xt, yt), (xe, ye) = (shape(train[0]), train[1]), (shape(evaluation[0]), evaluation[1])
     return {
         "train": lambda params, input_context=None: shard_batches(
-            lambda b: repeat_batches(xt, yt, b, seed=seed), params, input_context),
+            lambda b: repeat_batches(xt, yt, b, seed=seed), params, input_context
+        ),
         "eval": lambda params, input_context=None: shard_batches(
-            lambda b: once_batches(xe, ye, b), params, input_context),
+            lambda b: once_batches(xe, ye, b), params, input_context
+        ),
         "predict": lambda params, input_context=None: shard_batches(
-            lambda b: once_batches(xe, ye, b, with_labels=False), params, input_context),
+            lambda b: once_batches(xe, ye, b, with_labels=False), params, input_context
+        ),
     }
 
 

@@ -64,16 +64,18 @@ def make_optimizer(params: dict) -> tuple[optax.GradientTransformation, optax.Sc
     peak, decay = params["learning_rate"], max(int(params.get("decay_steps", 1000)), 1)
     warmup = int(params.get("warmup_steps", 0))
     if warmup > 0:
-        lr = optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(decay, warmup + 1),
-                                                end_value=0.05 * peak)
+        lr = optax.warmup_cosine_decay_schedule(
+            0.0, peak, warmup, max(decay, warmup + 1), end_value=0.05 * peak
+        )
     else:
         lr = optax.cosine_decay_schedule(peak, decay, alpha=0.05)
     name, wd = params.get("optimizer", "adamw"), params.get("weight_decay", 0.0)
     if name == "adamw":
         return optax.adamw(lr, weight_decay=wd), lr
     if name == "momentum":
-        return optax.chain(optax.add_decayed_weights(wd),
-                           optax.sgd(lr, momentum=0.9, nesterov=True)), lr
+        return optax.chain(
+            optax.add_decayed_weights(wd), optax.sgd(lr, momentum=0.9, nesterov=True)
+        ), lr
     raise ValueError(f"params['optimizer']={name!r}; expected 'adamw' or 'momentum'")
 
 
@@ -102,8 +104,10 @@ def classifier_model_fn(module: nn.Module):
         step = estimator.get_global_step()
         host_call = None
         if train and params.get("write_summaries", True):
-            host_call = (summaries_host_fn, [jnp.reshape(step, (1,)), jnp.reshape(loss, (1,)),
-                                             jnp.reshape(lr(step), (1,))])
+            host_call = (
+                summaries_host_fn,
+                [jnp.reshape(step, (1,)), jnp.reshape(loss, (1,)), jnp.reshape(lr(step), (1,))],
+            )
         return estimator.TPUEstimatorSpec(
             mode,
             loss=loss,
