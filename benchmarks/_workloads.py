@@ -6,7 +6,7 @@ Both sides run the same Flax module on the same numpy data with the same optimiz
 * ``MLP``: 64-512-512-10 on 64 features.
 * ``CNN``: conv3x3(32)-maxpool-conv3x3(64)-maxpool-dense128-dense10 on 8x8x1 images.
 
-The hand-written side follows the JAX notes (§0-§2): a ``("data",)`` mesh with Auto axes,
+The hand-written side is the standard data-parallel pattern: a ``("data",)`` mesh with Auto axes,
 params cast to replica-varying before ``grad`` and the gradients ``pmean``-ed, and state
 donated.
 
@@ -185,7 +185,7 @@ def make_estimator(
 
 # ----------------------------------------------------------------------------- hand-written side
 def make_mesh() -> Mesh:
-    """Every device on one ``"data"`` axis (Auto, as the JAX notes recommend)."""
+    """Every device on one ``"data"`` axis (Auto axes: sharding is left to the compiler)."""
     return jax.make_mesh((len(jax.devices()),), (DATA,), axis_types=(AxisType.Auto,))
 
 

@@ -10,7 +10,7 @@ For the MLP (64-512-512-10) and a small CNN, at ``iterations_per_loop`` (IPL) 1,
   pre-staged on the devices as ``[IPL, GB, ...]`` chunks, blocking after every loop: the best
   loop a JAX expert would write.
 * ``per-step jit``: the typical ``jit(train_step)`` Python loop, one ``device_put`` of a
-  numpy batch per step, blocking every 10 steps (JAX notes §10: more queued multi-device
+  numpy batch per step, blocking every 10 steps (more queued multi-device
   programs can deadlock XLA:CPU).
 * ``estimator``: ``est.train(input_fn, steps=N)`` on an estimator that has already compiled
   (its ``input_fn`` yields the same numpy batches).
@@ -21,7 +21,7 @@ ends of the first and the last device loop of each run (a hook stamps the estima
 holds ``train``'s start (input start-up, first dispatch) and end (the checkpoint it must
 write before returning); ``fixed s/call`` is that difference in seconds.
 
-Convolutions inside a rolled ``lax.scan`` are very slow on XLA:CPU (JAX notes §10), and an
+Convolutions inside a rolled ``lax.scan`` are very slow on XLA:CPU (jax-ml/jax#12868), and an
 unrolled 100-step CNN loop took ~6 minutes to compile here, so the CNN runs unrolled at IPL 1
 and 10 (``TPUConfig(unroll_loops=True)``, ``unroll=True`` for the ceiling) and one rolled
 IPL-10 row shows the cost of not unrolling.
