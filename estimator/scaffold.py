@@ -24,8 +24,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from .checkpoint import read_variables
-from .host import check_no_traced_values, traced_value_guard
+from .driver.host import check_no_traced_values, traced_value_guard
+from .io.checkpoint import read_variables
 from .spec import ModeKeys
 
 log = logging.getLogger("estimator")

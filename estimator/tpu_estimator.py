@@ -22,18 +22,19 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import checkpoint as ckpt_lib
-from . import multihost, partitioning, runtime
-from .cluster import start_cluster
+from . import runtime
+from .cluster.cluster import start_cluster
 from .config import InputPipelineConfig, RunConfig
-from .evaluation import run_eval_loops
+from .data.inputs import Pipeline, Prefetcher, call_input_fn, read_chunk
+from .driver.evaluation import run_eval_loops
+from .driver.training import run_train_loops
+from .engine.loops import SpecHolder, make_eval_loop, make_init, make_train_loop
+from .engine.model import ModelFn, user_params
 from .input_context import InputContext
-from .inputs import Pipeline, Prefetcher, call_input_fn, read_chunk
-from .loops import SpecHolder, make_eval_loop, make_init, make_train_loop
-from .mesh import make_mesh, num_replicas, single_device_mesh
-from .model import ModelFn, user_params
+from .io import checkpoint as ckpt_lib
+from .parallel import multihost, partitioning
+from .parallel.mesh import make_mesh, num_replicas, single_device_mesh
 from .spec import ModeKeys
-from .training import run_train_loops
 
 log = logging.getLogger("estimator")
 
@@ -351,7 +352,7 @@ class TPUEstimator:
           One dict per example (or the array itself when ``predictions`` is an array); one per
           batch with ``yield_single_examples=False``.
         """
-        from .prediction import run_predict_loops
+        from .driver.prediction import run_predict_loops
 
         if isinstance(predict_keys, str):
             predict_keys = [predict_keys]
@@ -386,7 +387,7 @@ class TPUEstimator:
         ``estimator.load_saved_model``. See ``estimator/export.py`` for the serving input
         form and the files written.
         """
-        from .export import export_saved_model
+        from .io.export import export_saved_model
 
         return export_saved_model(
             self,

@@ -8,7 +8,7 @@ import jax
 import pytest
 
 import models
-from estimator import jobs
+from estimator.cli import jobs
 from models import zoo as zoo_lib
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "configs")

@@ -28,8 +28,8 @@ import numpy as np
 import estimator
 import hooks
 import models
-from estimator import jobs
-from estimator.cluster import TPUClusterResolver
+from estimator.cli import jobs
+from estimator.cluster.cluster import TPUClusterResolver
 
 MAX_STEPS = 18
 SAVE_EVERY = 9
@@ -92,7 +92,7 @@ def probe() -> dict:
     strategy = estimator.TPUStrategy(TPUClusterResolver())
     import jax
 
-    from estimator import multihost
+    from estimator.parallel import multihost
 
     me = jax.process_index()
     out = {

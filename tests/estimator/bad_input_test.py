@@ -22,7 +22,7 @@ import pytest
 
 import estimator
 import hooks
-from estimator.checkpoint import CheckpointError, CheckpointMismatchError
+from estimator.io.checkpoint import CheckpointError, CheckpointMismatchError
 from tests import helpers as h
 
 B = 16

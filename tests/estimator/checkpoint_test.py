@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import estimator
-from estimator import checkpoint as ckpt_lib
+from estimator.io import checkpoint as ckpt_lib
 from tests import helpers as h
 
 STEPS = (2, 4, 6)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from estimator import cli
+from estimator.cli import main as cli
 
 
 def _console_script() -> list[str]:

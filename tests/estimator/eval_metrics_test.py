@@ -11,7 +11,7 @@ from sklearn import metrics as skm
 
 import estimator
 import metrics
-from estimator import host
+from estimator.driver import host
 from tests import helpers as h
 
 BATCH, N = 16, 100  # 100 = 6 full batches of 16 + one of 4; loops of 4 batches

@@ -15,9 +15,9 @@ import optax
 import pytest
 
 import estimator
-from estimator import cli
-from estimator.export import build_raw_serving_input_receiver_fn, load_saved_model
-from estimator.outside_compilation import outside_compilation
+from estimator.cli import main as cli
+from estimator.io.export import build_raw_serving_input_receiver_fn, load_saved_model
+from estimator.parallel.outside_compilation import outside_compilation
 from tests import helpers as h
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -58,7 +58,7 @@ _LOADER = textwrap.dedent("""
                 raise ImportError(f"{name} must not be needed to serve an export")
 
     sys.meta_path.insert(0, Blocked())
-    from estimator.export import load_saved_model
+    from estimator.io.export import load_saved_model
 
     paths, data, out = sys.argv[1].split(","), np.load(sys.argv[2]), sys.argv[3]
     x, rows = data["x"], data["row"]
@@ -285,7 +285,7 @@ def test_cli_export_from_config(tmp_path, capsys):
     assert sorted(model.output_names) == ["class_ids", "logits"]
 
     # Reference: the job's MLP (one hidden ReLU layer) in numpy on the checkpoint's variables.
-    from estimator import jobs
+    from estimator.cli import jobs
 
     config = jobs.load_config("configs/digits_mlp_small.py")
     est, input_fns = jobs.build(config, model_dir)

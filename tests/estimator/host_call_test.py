@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import estimator
-from estimator import host
+from estimator.driver import host
 from tests import helpers as h
 
 BATCH = 16  # 8 replicas x 2 rows

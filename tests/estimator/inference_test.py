@@ -8,12 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from estimator.device_assignment import DeviceAssignment
-from estimator.inference import (
+from estimator.io.inference import (
     InferenceProgram,
     rewrite_for_inference,
     validate_inference_rewrite_for_variables,
 )
+from estimator.strategy.device_assignment import DeviceAssignment
 
 
 class _MLP(nn.Module):

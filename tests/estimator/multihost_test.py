@@ -20,9 +20,11 @@ import pytest
 
 import estimator
 import models
-from estimator import checkpoint as ckpt_lib
-from estimator import cli, launch, multihost
-from estimator.cluster import ClusterConfigError, TPUClusterResolver, parse_tf_config
+from estimator.cli import main as cli
+from estimator.cluster import launch
+from estimator.cluster.cluster import ClusterConfigError, TPUClusterResolver, parse_tf_config
+from estimator.io import checkpoint as ckpt_lib
+from estimator.parallel import multihost
 from models.datasets import shard_batches
 from tests.estimator import _multihost_job as job
 
@@ -163,7 +165,7 @@ def test_launched_processes_form_one_job():
         [
             sys.executable,
             "-m",
-            "estimator.launch",
+            "estimator.cluster.launch",
             "--num_processes",
             "2",
             "--timeout",

@@ -11,8 +11,8 @@ import optax
 import pytest
 
 import estimator
-from estimator.outside_compilation import outside_compilation
-from estimator.strategy import PerReplica, TPUStrategy
+from estimator.parallel.outside_compilation import outside_compilation
+from estimator.strategy.strategy import PerReplica, TPUStrategy
 from tests import helpers as h
 
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from estimator import partitioning
-from estimator.mesh import DATA, MODEL, make_mesh
+from estimator.parallel import partitioning
+from estimator.parallel.mesh import DATA, MODEL, make_mesh
 
 _SPEC_CASES = [
     # (partition_dimensions, keyword args, expected spec)

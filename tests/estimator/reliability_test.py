@@ -18,8 +18,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import estimator
 import hooks
-from estimator.inputs import decode_state, encode_state
-from estimator.preemption import EXIT_STATUS, Preempted
+from estimator.data.inputs import decode_state, encode_state
+from estimator.driver.preemption import EXIT_STATUS, Preempted
 from tests import helpers as h
 
 ROOT = Path(__file__).resolve().parents[2]

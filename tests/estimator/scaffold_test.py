@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import estimator
-from estimator import host
+from estimator.driver import host
 from estimator.scaffold import _source_name, flatten
 from tests import helpers as h
 

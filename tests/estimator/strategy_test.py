@@ -7,17 +7,23 @@ import numpy as np
 import optax
 import pytest
 
-from estimator.device_assignment import DeviceAssignment
 from estimator.input_context import InputContext
-from estimator.mesh import MODEL
-from estimator.partitioning import shard_variables, unbox
-from estimator.replica_context import (
+from estimator.parallel.mesh import MODEL
+from estimator.parallel.partitioning import shard_variables, unbox
+from estimator.parallel.replica_context import (
     ReduceOp,
     get_replica_context,
     in_replicated_computation,
     replica_scope,
 )
-from estimator.strategy import PerReplica, TPUStrategy, ValueContext, get_strategy, has_strategy
+from estimator.strategy.device_assignment import DeviceAssignment
+from estimator.strategy.strategy import (
+    PerReplica,
+    TPUStrategy,
+    ValueContext,
+    get_strategy,
+    has_strategy,
+)
 
 R = 8  # replicas of the default strategy: one per simulated device
 

@@ -23,10 +23,10 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from .mesh import DATA
+from ..parallel.mesh import DATA
+from ..parallel.replica_context import is_varying
+from ..spec import ModeKeys, TPUEstimatorSpec
 from .model import ModelFn, step_rngs
-from .replica_context import is_varying
-from .spec import ModeKeys, TPUEstimatorSpec
 
 
 class TrainState(NamedTuple):

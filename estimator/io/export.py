@@ -113,9 +113,9 @@ def _symbolic(specs: Any) -> Any:
 # --------------------------------------------------------------------------- the computation
 def _restore(est, specs: Any, checkpoint_path: str | None) -> tuple[dict, int]:
     """The checkpoint's variables (host numpy) and global step, shaped by a 1-row trace."""
-    from .inputs import Chunk
-    from .spec import ModeKeys
-    from .state import restore_variables
+    from ..data.inputs import Chunk
+    from ..engine.state import restore_variables
+    from ..spec import ModeKeys
 
     rows = est.num_replicas
     zeros = jax.tree.map(lambda s: np.zeros((1, rows, *s.shape[1:]), s.dtype), specs)
@@ -149,10 +149,10 @@ def _select_outputs(spec: Any) -> dict:
 
 def _predict_fn(est, global_step: int) -> Callable:
     """``(variables, features) -> {name: array}``: model_fn in PREDICT mode on one device."""
-    from .mesh import DATA, single_device_mesh
-    from .model import step_rngs
-    from .runtime import seed_key_data
-    from .spec import ModeKeys
+    from ..engine.model import step_rngs
+    from ..parallel.mesh import DATA, single_device_mesh
+    from ..runtime import seed_key_data
+    from ..spec import ModeKeys
 
     key = jax.random.wrap_key_data(seed_key_data(est.config.tf_random_seed))
 
@@ -195,8 +195,8 @@ def _flat_names(variables: dict) -> list[str]:
 def _export(
     est, specs: Any, variables: dict, global_step: int, *, fold_variables: bool, platforms
 ) -> tuple[jax.export.Exported, list | None]:
+    from ..parallel.outside_compilation import forbid_host_calls
     from .inference import rewrite_for_inference, validate_inference_rewrite_for_variables
-    from .outside_compilation import forbid_host_calls
 
     predict = _predict_fn(est, global_step)
     sym = _symbolic(specs)
@@ -350,9 +350,9 @@ def export_from_config(est, config: Any, export_dir_base: str) -> str:
     """
     import models
 
-    from .input_context import InputContext
-    from .inputs import call_input_fn, split_element
-    from .spec import ModeKeys
+    from ..data.inputs import call_input_fn, split_element
+    from ..input_context import InputContext
+    from ..spec import ModeKeys
 
     input_fn = models.DATASETS[config.dataset](config)["predict"]
     batch = config.get("predict_batch_size", None) or config.eval_batch_size

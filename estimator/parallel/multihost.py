@@ -271,7 +271,7 @@ class SyncedChunks:
         features, labels, mask = global_batch(
             (features, labels, host_mask.astype(np.float32)), self._mesh
         )
-        from .inputs import Chunk
+        from ..data.inputs import Chunk
 
         return Chunk(features, labels, mask, host_mask, 0, 0, pipe.get_state())
 

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from estimator.mesh import DATA, MODEL, make_mesh
+from ..parallel.mesh import DATA, MODEL, make_mesh
 
 
 def _topology_devices(topology: Any) -> list[jax.Device]:

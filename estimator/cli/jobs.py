@@ -14,9 +14,9 @@ from typing import Any
 
 import ml_collections
 
-from .cluster import from_environment
-from .config import RunConfig, TPUConfig
-from .tpu_estimator import TPUEstimator
+from ..cluster.cluster import from_environment
+from ..config import RunConfig, TPUConfig
+from ..tpu_estimator import TPUEstimator
 
 DEFAULT_CONFIG = "configs/digits_mlp.py"
 

@@ -59,12 +59,12 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from estimator import partitioning
-from estimator.device_assignment import DeviceAssignment
-from estimator.input_context import InputContext
-from estimator.mesh import DATA
-from estimator.per_replica import PerReplica, _is_concrete, _is_per_replica
-from estimator.replica_context import ReduceOp, get_replica_context, replica_scope
+from ..input_context import InputContext
+from ..parallel import partitioning
+from ..parallel.mesh import DATA
+from ..parallel.replica_context import ReduceOp, get_replica_context, replica_scope
+from .device_assignment import DeviceAssignment
+from .per_replica import PerReplica, _is_concrete, _is_per_replica
 
 PyTree = Any
 _log = logging.getLogger(__name__)

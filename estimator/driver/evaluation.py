@@ -9,12 +9,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import multihost, summary
+from .. import summary
+from ..engine.state import restore_variables
+from ..parallel import multihost
+from ..runtime import seed_key_data
+from ..spec import ModeKeys
 from .hook_runner import HookRunner, Session
 from .host import HostWorker, MetricAccumulator
-from .runtime import seed_key_data
-from .spec import ModeKeys
-from .state import restore_variables
 
 log = logging.getLogger("estimator")
 
@@ -92,7 +93,7 @@ def _check_predictions(predictions: Any, rows: int) -> None:
 
 def _dedupe_broadcast(est, host_mask: np.ndarray) -> np.ndarray:
     """In BROADCAST every replica sees the whole batch: count only replica 0's copy."""
-    from .config import InputPipelineConfig
+    from ..config import InputPipelineConfig
 
     if est.config.tpu_config.per_host_input_for_training != InputPipelineConfig.BROADCAST:
         return host_mask

@@ -56,8 +56,8 @@ def _json_ready(results: dict) -> dict:
 
 
 def run(args: argparse.Namespace, overrides: dict[str, str]) -> dict:
+    from ..train_and_evaluate import EvalSpec, TrainSpec, train_and_evaluate
     from . import jobs
-    from .train_and_evaluate import EvalSpec, TrainSpec, train_and_evaluate
 
     config = jobs.load_config(args.config)
     jobs.apply_overrides(config, overrides)
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace, overrides: dict[str, str]) -> dict:
         preds = list(est.predict(input_fns["predict"]))
         return {"num_predictions": len(preds), "model_dir": model_dir}
     if args.command == "export":
-        from . import export as export_lib
+        from ..io import export as export_lib
 
         path = export_lib.export_from_config(est, config, args.export_dir or model_dir + "/export")
         return {"export_dir": path}
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace, overrides: dict[str, str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     if args.num_processes > 1:
-        from .launch import launch_local, strip_num_processes
+        from ..cluster.launch import launch_local, strip_num_processes
 
         return launch_local(
             args.num_processes, strip_num_processes(sys.argv[1:] if argv is None else argv)

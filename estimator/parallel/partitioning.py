@@ -30,7 +30,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from estimator.mesh import MODEL
+from .mesh import MODEL
 
 PyTree = Any
 Rules = Mapping[str, str | None] | Sequence[tuple[str, str | None]]

@@ -6,9 +6,9 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from . import multihost
+from ..parallel import multihost
+from ..spec import ModeKeys
 from .evaluation import _dedupe_broadcast, _loops
-from .spec import ModeKeys
 
 
 def _select(predictions, keys: Sequence[str] | None):

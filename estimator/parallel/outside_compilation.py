@@ -54,7 +54,7 @@ from jax import lax
 from jax.experimental import io_callback
 from jax.sharding import PartitionSpec as P
 
-from . import context
+from .. import context
 from .mesh import DATA
 from .replica_context import get_replica_context, in_replicated_computation
 

@@ -16,10 +16,10 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from . import context
-from .mesh import DATA
-from .replica_context import replica_scope
-from .spec import ModeKeys, TPUEstimatorSpec, as_tpu_spec
+from .. import context
+from ..parallel.mesh import DATA
+from ..parallel.replica_context import replica_scope
+from ..spec import ModeKeys, TPUEstimatorSpec, as_tpu_spec
 
 _MODEL_FN_ARGS = ("features", "labels", "mode", "params", "config")
 RESERVED_PARAMS = ("batch_size", "context")

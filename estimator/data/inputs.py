@@ -21,9 +21,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from . import multihost
-from .config import InputPipelineConfig
-from .input_context import InputContext
+from ..config import InputPipelineConfig
+from ..input_context import InputContext
+from ..parallel import multihost
 
 log = logging.getLogger("estimator")
 

@@ -35,7 +35,7 @@ from typing import Any
 import jax
 from jax import lax
 
-from estimator.mesh import DATA
+from .mesh import DATA
 
 PyTree = Any
 

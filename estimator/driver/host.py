@@ -30,7 +30,7 @@ import numpy as np
 
 import metrics as metrics_lib
 
-from . import summary
+from .. import summary
 
 _TRACER_ERRORS = (
     jax.errors.UnexpectedTracerError,

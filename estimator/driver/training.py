@@ -15,13 +15,15 @@ import numpy as np
 
 import hooks as hooks_lib
 
-from . import multihost, progress, summary
+from .. import summary
+from ..data.inputs import Prefetcher
+from ..engine.state import fresh_train_state, restore_train_state, train_state_parts
+from ..parallel import multihost
+from ..spec import ModeKeys
+from . import progress
 from .hook_runner import HookRunner, Session
 from .host import HostWorker, run_host_calls
-from .inputs import Prefetcher
 from .preemption import Preempted, PreemptionWatcher
-from .spec import ModeKeys
-from .state import fresh_train_state, restore_train_state, train_state_parts
 
 log = logging.getLogger("estimator")
 
@@ -146,7 +148,7 @@ def _start(est, input_fn, batch_size, ckpts, latest, target_fn):
         prefetch.close()
         raise
     if restored is None:
-        from .scaffold import fresh_init_fn
+        from ..scaffold import fresh_init_fn
 
         state = fresh_train_state(est, first, model_batch, lambda: fresh_init_fn(est))
         return state, {"input_pulls": 0}, first, prefetch, model_batch

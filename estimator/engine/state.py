@@ -12,12 +12,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import checkpoint as ckpt_lib
-from . import partitioning
-from .inputs import Chunk
+from ..data.inputs import Chunk
+from ..io import checkpoint as ckpt_lib
+from ..parallel import partitioning
+from ..runtime import seed_key_data
+from ..spec import ModeKeys
 from .loops import TrainState
-from .runtime import seed_key_data
-from .spec import ModeKeys
 
 log = logging.getLogger("estimator")
 

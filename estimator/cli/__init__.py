@@ -1,0 +1,1 @@
+"""The `tpu-estimator` command line: argument parsing and job configs."""

@@ -1,0 +1,1 @@
+"""Cluster set-up: TPUClusterResolver and the local multi-process launcher."""

@@ -1,0 +1,3 @@
+"""Host loops: train/evaluate/predict drivers, hooks lifecycle, host-side workers, progress and
+preemption.
+"""

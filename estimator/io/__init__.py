@@ -1,0 +1,1 @@
+"""Storage: checkpoints, export and load, inference rewriting."""

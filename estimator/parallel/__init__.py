@@ -1,0 +1,1 @@
+"""Mesh, partitioning, replica context, multi-process collectives and outside_compilation."""

@@ -1,0 +1,1 @@
+"""TPUStrategy: the custom-training-loop API over the same mesh."""
