@@ -6,27 +6,27 @@ Example:
   >>> est.train(input_fn, max_steps=1000)
 """
 
-from . import runtime as _runtime
-from . import summary
-from .cluster.cluster import TPUClusterResolver
-from .config import InputPipelineConfig, RunConfig, TPUConfig
-from .context import get_global_step, padding_mask
-from .driver.host import TracedValueError
-from .driver.preemption import Preempted
-from .input_context import InputContext
-from .io.checkpoint import CheckpointError, CheckpointMismatchError
-from .io.export import build_raw_serving_input_receiver_fn, load_saved_model
-from .io.inference import rewrite_for_inference, validate_inference_rewrite_for_variables
-from .parallel.outside_compilation import outside_compilation
-from .parallel.replica_context import ReduceOp, get_replica_context
-from .scaffold import Scaffold, WarmStartSettings, init_from_checkpoint
-from .spec import EstimatorSpec, ModeKeys, TPUEstimatorSpec
-from .strategy.device_assignment import DeviceAssignment
-from .strategy.strategy import PerReplica, TPUStrategy, get_strategy
-from .tpu_estimator import TPUEstimator
-from .train_and_evaluate import EvalSpec, TrainSpec, train_and_evaluate
+from ._compat import root_logging_untouched
 
-_runtime.setup_logging()
+with root_logging_untouched():
+    from . import summary
+    from .cluster.cluster import TPUClusterResolver
+    from .config import InputPipelineConfig, RunConfig, TPUConfig
+    from .context import get_global_step, padding_mask
+    from .driver.host import TracedValueError
+    from .driver.preemption import Preempted
+    from .input_context import InputContext
+    from .io.checkpoint import CheckpointError, CheckpointMismatchError
+    from .io.export import build_raw_serving_input_receiver_fn, load_saved_model
+    from .io.inference import rewrite_for_inference, validate_inference_rewrite_for_variables
+    from .parallel.outside_compilation import outside_compilation
+    from .parallel.replica_context import ReduceOp, get_replica_context
+    from .scaffold import Scaffold, WarmStartSettings, init_from_checkpoint
+    from .spec import EstimatorSpec, ModeKeys, TPUEstimatorSpec
+    from .strategy.device_assignment import DeviceAssignment
+    from .strategy.strategy import PerReplica, TPUStrategy, get_strategy
+    from .tpu_estimator import TPUEstimator
+    from .train_and_evaluate import EvalSpec, TrainSpec, train_and_evaluate
 
 __all__ = [
     "TPUClusterResolver",

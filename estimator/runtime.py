@@ -36,18 +36,3 @@ def setup(config) -> None:
 def seed_key_data(seed: int | None) -> jax.Array:
     """Raw key data of the base RNG key; ``None`` means seed 0 so runs are reproducible."""
     return jax.random.key_data(jax.random.key(0 if seed is None else seed))
-
-
-def setup_logging() -> None:
-    """Progress lines go to stderr like TF's INFO logs, whatever absl did to the root logger.
-
-    Set ``logging.getLogger("estimator").setLevel(logging.WARNING)`` to silence them.
-    """
-    logger = logging.getLogger("estimator")
-    if logger.handlers:
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(levelname)s:estimator:%(message)s"))
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False

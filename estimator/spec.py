@@ -16,6 +16,8 @@ from typing import Any
 
 import optax
 
+from hooks import SessionRunHook
+
 
 class ModeKeys:
     """The three modes model_fn is called in (TF's string values)."""
@@ -89,8 +91,6 @@ def validate_host_fn_tuple(value: Any, field: str) -> None:
 
 
 def _validate_hooks(hooks: Any, field: str) -> tuple:
-    from hooks import SessionRunHook
-
     hooks = tuple(hooks or ())
     for h in hooks:
         if not isinstance(h, SessionRunHook):

@@ -32,7 +32,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
 import numpy as np
+from tensorboardX import SummaryWriter
 
 _LOCAL = threading.local()
 _WRITERS: dict[str, Any] = {}
@@ -45,9 +47,6 @@ def writer_for(logdir: str):
 
     Returns None on processes other than 0, which write nothing.
     """
-    import jax
-    from tensorboardX import SummaryWriter
-
     if jax.process_index() != 0:
         return None
     logdir = os.path.abspath(logdir)

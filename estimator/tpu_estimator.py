@@ -22,16 +22,21 @@ from typing import Any
 import jax
 import numpy as np
 
+from hooks import SessionRunHook
+
 from . import runtime
 from .cluster.cluster import start_cluster
 from .config import InputPipelineConfig, RunConfig
 from .data.inputs import Pipeline, Prefetcher, call_input_fn, read_chunk
+from .data.synced import synced
 from .driver.evaluation import run_eval_loops
+from .driver.prediction import run_predict_loops
 from .driver.training import run_train_loops
 from .engine.loops import SpecHolder, make_eval_loop, make_init, make_train_loop
 from .engine.model import ModelFn, user_params
 from .input_context import InputContext
 from .io import checkpoint as ckpt_lib
+from .io.export import export_saved_model
 from .parallel import multihost, partitioning
 from .parallel.mesh import make_mesh, num_replicas, single_device_mesh
 from .spec import ModeKeys
@@ -202,7 +207,7 @@ class TPUEstimator:
             n = schedule()
             return read_chunk(pipe, n, fill=fill, mesh=self._mesh) if n > 0 else None
 
-        return multihost.synced(Prefetcher(produce), pipe, fill=fill, mesh=self._mesh)
+        return synced(Prefetcher(produce), pipe, fill=fill, mesh=self._mesh)
 
     # ----------------------------------------------------------------- compiled loops
     def _loop(self, kind: str, batch_size: int):
@@ -352,8 +357,6 @@ class TPUEstimator:
           One dict per example (or the array itself when ``predictions`` is an array); one per
           batch with ``yield_single_examples=False``.
         """
-        from .driver.prediction import run_predict_loops
-
         if isinstance(predict_keys, str):
             predict_keys = [predict_keys]
         if predict_keys is not None and (
@@ -387,8 +390,6 @@ class TPUEstimator:
         ``estimator.load_saved_model``. See ``estimator/export.py`` for the serving input
         form and the files written.
         """
-        from .io.export import export_saved_model
-
         return export_saved_model(
             self,
             export_dir_base,
@@ -443,8 +444,6 @@ def _model_dir(model_dir: str | None, config: RunConfig) -> str:
 
 def _check_hooks(hooks) -> None:
     """``hooks`` must be a list of SessionRunHook; a single hook is a common slip."""
-    from hooks import SessionRunHook
-
     if isinstance(hooks, SessionRunHook):
         raise TypeError(
             f"hooks must be a list of SessionRunHook, got a single "

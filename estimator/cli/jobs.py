@@ -14,8 +14,14 @@ from typing import Any
 
 import ml_collections
 
+import models
+
 from ..cluster.cluster import from_environment
 from ..config import RunConfig, TPUConfig
+from ..data.inputs import call_input_fn, split_element
+from ..input_context import InputContext
+from ..io import export as export_lib
+from ..spec import ModeKeys
 from ..tpu_estimator import TPUEstimator
 
 DEFAULT_CONFIG = "configs/digits_mlp.py"
@@ -88,8 +94,6 @@ def run_config(config: ml_collections.ConfigDict, model_dir: str | None) -> RunC
 
 def build(config: ml_collections.ConfigDict, model_dir: str | None) -> tuple[TPUEstimator, dict]:
     """The estimator and the ``{"train", "eval", "predict"}`` input_fns of a job config."""
-    import models
-
     if config.model not in models.MODELS:
         raise KeyError(f"config.model={config.model!r}; known models: {sorted(models.MODELS)}")
     if config.dataset not in models.DATASETS:
@@ -104,3 +108,24 @@ def build(config: ml_collections.ConfigDict, model_dir: str | None) -> tuple[TPU
         predict_batch_size=config.predict_batch_size,
     )
     return est, models.DATASETS[config.dataset](config)
+
+
+def export_from_config(est, config: Any, export_dir_base: str) -> str:
+    """``tpu-estimator export``: serving shapes from the first batch of the job's predict input.
+
+    ``config.export_fold_variables`` (optional, default False) chooses folded variables.
+    """
+    input_fn = models.DATASETS[config.dataset](config)["predict"]
+    batch = config.get("predict_batch_size", None) or config.eval_batch_size
+    it = call_input_fn(
+        input_fn,
+        params={"batch_size": int(batch)},
+        config=est.config,
+        mode=ModeKeys.PREDICT,
+        input_context=InputContext(1, 0, 1),
+    )
+    features, _ = split_element(next(iter(it)))
+    fn = export_lib.build_raw_serving_input_receiver_fn(features)
+    return export_lib.export_saved_model(
+        est, export_dir_base, fn, fold_variables=bool(config.get("export_fold_variables", False))
+    )

@@ -73,9 +73,7 @@ def run(args: argparse.Namespace, overrides: dict[str, str]) -> dict:
         preds = list(est.predict(input_fns["predict"]))
         return {"num_predictions": len(preds), "model_dir": model_dir}
     if args.command == "export":
-        from ..io import export as export_lib
-
-        path = export_lib.export_from_config(est, config, args.export_dir or model_dir + "/export")
+        path = jobs.export_from_config(est, config, args.export_dir or model_dir + "/export")
         return {"export_dir": path}
     results, _ = train_and_evaluate(
         est,
@@ -98,9 +96,20 @@ def main(argv: list[str] | None = None) -> int:
         return launch_local(
             args.num_processes, strip_num_processes(sys.argv[1:] if argv is None else argv)
         )
+    setup_logging()
     results = run(args, overrides)
     print(json.dumps(_json_ready(results), sort_keys=True, default=str))
     return 0
+
+
+def setup_logging() -> None:
+    """The command's progress lines on stderr, as TF printed its INFO logs.
+
+    The library itself configures no logging (it logs to ``logging.getLogger("estimator")``,
+    which propagates); the command is the application, so it configures the root handler.
+    """
+    logging.basicConfig(format="%(levelname)s:%(name)s:%(message)s")
+    logging.getLogger("estimator").setLevel(logging.INFO)
 
 
 if __name__ == "__main__":

@@ -364,6 +364,12 @@ def read_chunk(pipe: Pipeline, n: int, *, fill: bool, mesh: Mesh) -> Chunk | Non
     real = len(steps)
     if fill:
         steps += [pipe.empty_step() for _ in range(n - real)]
+    features, labels, mask, host_mask = stack_steps(pipe, steps, mesh)
+    return Chunk(features, labels, mask, host_mask, real, pipe.pulled - start, pipe.get_state())
+
+
+def stack_steps(pipe: Pipeline, steps: list, mesh: Mesh) -> tuple:
+    """``(features, labels, mask, host_mask)`` of ``steps`` stacked into ``[n, rows, ...]``."""
     leaves = [np.stack(xs) for xs in zip(*(s[0] for s in steps))]
     host_mask = np.stack([s[1] for s in steps])
     features, labels = jax.tree.unflatten(pipe.sig.treedef, leaves)
@@ -371,7 +377,7 @@ def read_chunk(pipe: Pipeline, n: int, *, fill: bool, mesh: Mesh) -> Chunk | Non
     features, labels, mask = multihost.global_batch(
         (features, labels, host_mask.astype(np.float32)), mesh
     )
-    return Chunk(features, labels, mask, host_mask, real, pipe.pulled - start, pipe.get_state())
+    return features, labels, mask, host_mask
 
 
 _DONE = object()

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from .. import summary
+from ..config import InputPipelineConfig
 from ..engine.state import restore_variables
 from ..parallel import multihost
 from ..runtime import seed_key_data
@@ -93,8 +94,6 @@ def _check_predictions(predictions: Any, rows: int) -> None:
 
 def _dedupe_broadcast(est, host_mask: np.ndarray) -> np.ndarray:
     """In BROADCAST every replica sees the whole batch: count only replica 0's copy."""
-    from ..config import InputPipelineConfig
-
     if est.config.tpu_config.per_host_input_for_training != InputPipelineConfig.BROADCAST:
         return host_mask
     n, rows = host_mask.shape

@@ -19,6 +19,7 @@ from .. import summary
 from ..data.inputs import Prefetcher
 from ..engine.state import fresh_train_state, restore_train_state, train_state_parts
 from ..parallel import multihost
+from ..scaffold import fresh_init_fn
 from ..spec import ModeKeys
 from . import progress
 from .hook_runner import HookRunner, Session
@@ -148,8 +149,6 @@ def _start(est, input_fn, batch_size, ckpts, latest, target_fn):
         prefetch.close()
         raise
     if restored is None:
-        from ..scaffold import fresh_init_fn
-
         state = fresh_train_state(est, first, model_batch, lambda: fresh_init_fn(est))
         return state, {"input_pulls": 0}, first, prefetch, model_batch
     state, restored_meta = restored

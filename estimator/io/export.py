@@ -47,6 +47,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from ..data.inputs import Chunk
+from ..engine.model import step_rngs
+from ..engine.state import restore_variables
+from ..parallel.mesh import DATA, single_device_mesh
+from ..parallel.outside_compilation import forbid_host_calls
+from ..runtime import seed_key_data
+from ..spec import ModeKeys
+from .inference import rewrite_for_inference, validate_inference_rewrite_for_variables
+
 COMPUTATION_FILE = "saved_model.jax"
 VARIABLES_FILE = os.path.join("variables", "variables.npz")
 SIGNATURE_FILE = "signature.json"
@@ -113,9 +122,6 @@ def _symbolic(specs: Any) -> Any:
 # --------------------------------------------------------------------------- the computation
 def _restore(est, specs: Any, checkpoint_path: str | None) -> tuple[dict, int]:
     """The checkpoint's variables (host numpy) and global step, shaped by a 1-row trace."""
-    from ..data.inputs import Chunk
-    from ..engine.state import restore_variables
-    from ..spec import ModeKeys
 
     rows = est.num_replicas
     zeros = jax.tree.map(lambda s: np.zeros((1, rows, *s.shape[1:]), s.dtype), specs)
@@ -149,10 +155,6 @@ def _select_outputs(spec: Any) -> dict:
 
 def _predict_fn(est, global_step: int) -> Callable:
     """``(variables, features) -> {name: array}``: model_fn in PREDICT mode on one device."""
-    from ..engine.model import step_rngs
-    from ..parallel.mesh import DATA, single_device_mesh
-    from ..runtime import seed_key_data
-    from ..spec import ModeKeys
 
     key = jax.random.wrap_key_data(seed_key_data(est.config.tf_random_seed))
 
@@ -195,8 +197,6 @@ def _flat_names(variables: dict) -> list[str]:
 def _export(
     est, specs: Any, variables: dict, global_step: int, *, fold_variables: bool, platforms
 ) -> tuple[jax.export.Exported, list | None]:
-    from ..parallel.outside_compilation import forbid_host_calls
-    from .inference import rewrite_for_inference, validate_inference_rewrite_for_variables
 
     predict = _predict_fn(est, global_step)
     sym = _symbolic(specs)
@@ -343,33 +343,6 @@ def export_saved_model(
     return _write(str(export_dir_base), exported, leaves, _flat_names(variables), signature)
 
 
-def export_from_config(est, config: Any, export_dir_base: str) -> str:
-    """``tpu-estimator export``: serving shapes from the first batch of the job's predict input.
-
-    ``config.export_fold_variables`` (optional, default False) chooses folded variables.
-    """
-    import models
-
-    from ..data.inputs import call_input_fn, split_element
-    from ..input_context import InputContext
-    from ..spec import ModeKeys
-
-    input_fn = models.DATASETS[config.dataset](config)["predict"]
-    batch = config.get("predict_batch_size", None) or config.eval_batch_size
-    it = call_input_fn(
-        input_fn,
-        params={"batch_size": int(batch)},
-        config=est.config,
-        mode=ModeKeys.PREDICT,
-        input_context=InputContext(1, 0, 1),
-    )
-    features, _ = split_element(next(iter(it)))
-    fn = build_raw_serving_input_receiver_fn(features)
-    return export_saved_model(
-        est, export_dir_base, fn, fold_variables=bool(config.get("export_fold_variables", False))
-    )
-
-
 # --------------------------------------------------------------------------- loading
 class LoadedModel:
     """An exported PREDICT computation, callable on numpy features; see ``load_saved_model``."""
@@ -473,7 +446,6 @@ def load_saved_model(path: str) -> LoadedModel:
 __all__ = [
     "LoadedModel",
     "build_raw_serving_input_receiver_fn",
-    "export_from_config",
     "export_saved_model",
     "load_saved_model",
 ]

@@ -7,8 +7,8 @@ its input), so nothing changes and nothing is communicated. With several process
 * ``to_host`` copies a global array to every process (``process_allgather``), where
   ``jax.device_get`` would fail on rows held by another process;
 * decisions one process takes alone (stop, save now, input ended, a host function failed)
-  are agreed with ``any_of``/``agree_chunk`` so every process runs the same computations in
-  the same order (a process that skipped one would leave the others waiting);
+  are agreed with ``any_of`` (input chunks in ``data/synced.py``) so every process runs the
+  same computations in the same order (a process that skipped one would leave the others waiting);
 * ``run_on_process_0`` runs host-only work (metric_fn) once and hands every process the
   result.
 
@@ -19,7 +19,7 @@ the same order.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -90,7 +90,7 @@ def global_batch(tree: Any, mesh: Mesh) -> Any:
     return jax.tree.map(one, tree)
 
 
-def _truncate(x: jax.Array, n: int) -> jax.Array:
+def truncate_steps(x: jax.Array, n: int) -> jax.Array:
     """The first ``n`` steps of a ``[steps, ...]`` global array (only local shards move)."""
     shards = [s.data[:n] for s in x.addressable_shards]
     return jax.make_array_from_single_device_arrays((n, *x.shape[1:]), x.sharding, shards)
@@ -130,7 +130,7 @@ def local_rows(x: np.ndarray, mesh: Mesh) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- agreement
-def _gather(values: np.ndarray) -> np.ndarray:
+def gather(values: np.ndarray) -> np.ndarray:
     """``[processes, ...]``: every process's ``values``."""
     return np.asarray(multihost_utils.process_allgather(values))
 
@@ -139,7 +139,7 @@ def any_of(*flags: bool) -> tuple[bool, ...]:
     """Each flag OR-ed over processes (so all stop, save or fail together)."""
     if not is_multiprocess():
         return tuple(bool(f) for f in flags)
-    got = _gather(np.array([bool(f) for f in flags], np.int32))
+    got = gather(np.array([bool(f) for f in flags], np.int32))
     return tuple(bool(v) for v in got.max(axis=0))
 
 
@@ -148,10 +148,10 @@ def gather_objects(obj: Any) -> list:
     if not is_multiprocess():
         return [obj]
     data = np.frombuffer(pickle.dumps(obj), np.uint8)
-    sizes = _gather(np.array([data.size], np.int64)).reshape(-1)
+    sizes = gather(np.array([data.size], np.int64)).reshape(-1)
     padded = np.zeros(int(sizes.max()), np.uint8)
     padded[: data.size] = data
-    rows = _gather(padded)
+    rows = gather(padded)
     return [pickle.loads(rows[i, : sizes[i]].tobytes()) for i in range(len(sizes))]
 
 
@@ -210,77 +210,3 @@ def check_worker(worker: Any, what: str, *, join: bool = False) -> None:
         raise error
     if failed:
         raise RemoteError(f"{what} failed on another process; see its log")
-
-
-# ----------------------------------------------------------------------------- input
-class SyncedChunks:
-    """The prefetcher's chunks, agreed across processes so all run the same loops.
-
-    Each process's input may end at a different point. For evaluation and prediction
-    (``fill=True``) the loops go on while any process has rows; a process whose input ended
-    contributes all-padding steps. For training the loop length is the shortest process's,
-    and training ends when any input ends. The host mask becomes the global one, matching
-    the global arrays the loops return.
-    """
-
-    def __init__(self, prefetch: Any, pipe: Any, *, fill: bool, mesh: Mesh):
-        self._prefetch, self._pipe, self._fill, self._mesh = prefetch, pipe, fill, mesh
-        self._ended = False
-
-    def __iter__(self) -> Iterator:
-        return self
-
-    def __next__(self):
-        chunk = None if self._ended else next(self._prefetch, None)
-        self._ended = chunk is None
-        local = [0, 0] if chunk is None else [chunk.steps, int(chunk.host_mask.shape[0])]
-        table = _gather(np.array(local, np.int64))  # [processes, (real steps, loop length)]
-        steps, length = table[:, 0], table[:, 1]
-        if self._fill:
-            if not steps.max():
-                raise StopIteration
-            if chunk is None:
-                chunk = self._empty_chunk(int(length.max()))
-            chunk = chunk._replace(steps=int(steps.max()))
-        else:
-            n = int(steps.min())
-            if n == 0:
-                self._ended = True
-                raise StopIteration
-            if chunk.steps > n:
-                chunk = chunk._replace(
-                    features=jax.tree.map(lambda x: _truncate(x, n), chunk.features),
-                    labels=jax.tree.map(lambda x: _truncate(x, n), chunk.labels),
-                    mask=_truncate(chunk.mask, n),
-                    host_mask=chunk.host_mask[:n],
-                    steps=n,
-                )
-        return chunk._replace(host_mask=to_host(chunk.mask) > 0)
-
-    def _empty_chunk(self, n: int):
-        pipe = self._pipe
-        if pipe.sig is None:
-            raise ValueError(
-                f"input_fn of process {jax.process_index()} produced no batches while other "
-                "processes' did; every process needs at least one batch to know the shapes"
-            )
-        steps = [pipe.empty_step() for _ in range(n)]
-        leaves = [np.stack(xs) for xs in zip(*(s[0] for s in steps), strict=True)]
-        host_mask = np.stack([s[1] for s in steps])
-        features, labels = jax.tree.unflatten(pipe.sig.treedef, leaves)
-        features, labels, mask = global_batch(
-            (features, labels, host_mask.astype(np.float32)), self._mesh
-        )
-        from ..data.inputs import Chunk
-
-        return Chunk(features, labels, mask, host_mask, 0, 0, pipe.get_state())
-
-    def close(self) -> None:
-        self._prefetch.close()
-
-
-def synced(prefetch: Any, pipe: Any, *, fill: bool, mesh: Mesh) -> Any:
-    """``prefetch`` itself in one process, else a ``SyncedChunks`` over it."""
-    if not is_multiprocess():
-        return prefetch
-    return SyncedChunks(prefetch, pipe, fill=fill, mesh=mesh)
