@@ -15,8 +15,13 @@ with root_logging_untouched():
     from .context import get_global_step, padding_mask
     from .driver.host import TracedValueError
     from .driver.preemption import Preempted
+    from .errors import (
+        CheckpointError,
+        CheckpointMismatchError,
+        EstimatorError,
+        NoCheckpointError,
+    )
     from .input_context import InputContext
-    from .io.checkpoint import CheckpointError, CheckpointMismatchError
     from .io.export import build_raw_serving_input_receiver_fn, load_saved_model
     from .io.inference import rewrite_for_inference, validate_inference_rewrite_for_variables
     from .parallel.outside_compilation import outside_compilation
@@ -32,6 +37,8 @@ __all__ = [
     "TPUClusterResolver",
     "CheckpointError",
     "CheckpointMismatchError",
+    "EstimatorError",
+    "NoCheckpointError",
     "Preempted",
     "TracedValueError",
     "build_raw_serving_input_receiver_fn",

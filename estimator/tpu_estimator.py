@@ -34,6 +34,7 @@ from .driver.prediction import run_predict_loops
 from .driver.training import run_train_loops
 from .engine.loops import SpecHolder, make_eval_loop, make_init, make_train_loop
 from .engine.model import ModelFn, user_params
+from .errors import NoCheckpointError
 from .input_context import InputContext
 from .io import checkpoint as ckpt_lib
 from .io.export import export_saved_model
@@ -425,7 +426,7 @@ class TPUEstimator:
     def _saved_variables(self) -> dict[str, np.ndarray]:
         path = self.latest_checkpoint()
         if path is None:
-            raise ValueError(f"No checkpoint found in {self.model_dir}")
+            raise NoCheckpointError(f"No checkpoint found in {self.model_dir}")
         return ckpt_lib.read_variables(self.model_dir)  # the newest readable one
 
 

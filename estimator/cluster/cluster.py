@@ -37,6 +37,8 @@ import os
 import warnings
 from typing import Any
 
+from ..errors import EstimatorValueError
+
 log = logging.getLogger("estimator")
 
 TF_CONFIG = "TF_CONFIG"
@@ -51,7 +53,7 @@ _LOCAL_TPU_NAMES = ("", "local")
 _connected: dict[str, Any] = {}  # what this process connected with (once per process)
 
 
-class ClusterConfigError(ValueError):
+class ClusterConfigError(EstimatorValueError):
     """The cluster description (arguments or TF_CONFIG) is inconsistent or malformed."""
 
 

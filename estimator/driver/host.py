@@ -31,6 +31,7 @@ import numpy as np
 import metrics as metrics_lib
 
 from .. import summary
+from ..errors import EstimatorValueError
 
 _TRACER_ERRORS = (
     jax.errors.UnexpectedTracerError,
@@ -41,7 +42,7 @@ _TRACER_ERRORS = (
 )
 
 
-class TracedValueError(ValueError):
+class TracedValueError(EstimatorValueError):
     """A host function uses a value computed inside the compiled computation."""
 
 

@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..data.inputs import Chunk
+from ..errors import NoCheckpointError
 from ..io import checkpoint as ckpt_lib
 from ..parallel import partitioning
 from ..runtime import seed_key_data
@@ -170,7 +171,7 @@ def restore_variables(
     """Variables for evaluate/predict from ``checkpoint_path`` or the latest checkpoint.
 
     Raises:
-      ValueError: no checkpoint exists (TF: "Could not find trained model").
+      NoCheckpointError: no checkpoint exists (TF: "Could not find trained model").
     """
     model_dir, step = ckpt_lib.resolve_path(checkpoint_path, est.model_dir)
     ckpts = est._reader_checkpoints(model_dir)
@@ -185,6 +186,6 @@ def restore_variables(
     template = abstract_variables(est, mode, chunk, batch_size)
     got = ckpts.restore_latest(variables=template, step=step)
     if got is None:
-        raise ValueError(f"Could not find trained model in model_dir: {model_dir}")
+        raise NoCheckpointError(f"Could not find trained model in model_dir: {model_dir}")
     step, out = got
     return out["variables"], int(np.asarray(out["meta"]["global_step"]))

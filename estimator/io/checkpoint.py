@@ -32,18 +32,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from ..errors import CheckpointError, CheckpointMismatchError, NoCheckpointError
+
 log = logging.getLogger("estimator")
 
 ITEMS = ("variables", "train", "meta")
 _MAX_LISTED = 8
-
-
-class CheckpointError(RuntimeError):
-    """No readable checkpoint where one was expected, or a step that cannot be read."""
-
-
-class CheckpointMismatchError(CheckpointError, ValueError):
-    """A readable checkpoint whose variables do not match the model (another model's)."""
 
 
 def checkpoint_dir(model_dir: str) -> str:
@@ -392,13 +386,13 @@ def read_variables(path: str) -> dict[str, Any]:
     name in front (``batch_stats/BatchNorm_0/mean``); ``global_step`` is the step.
 
     Raises:
-      ValueError: there is no checkpoint at ``path``.
+      NoCheckpointError: there is no checkpoint at ``path``.
       CheckpointError: none is readable.
     """
     model_dir, step = resolve_path(path, os.path.dirname(os.path.dirname(path)))
     got = Checkpoints(model_dir, read_only=True).restore_latest(step=step)
     if got is None:
-        raise ValueError(f"No checkpoint found in {model_dir}")
+        raise NoCheckpointError(f"No checkpoint found in {model_dir}")
     step, out = got
     variables = jax.device_get(dict(out["variables"]))
     names = _flat_names(variables.pop("params", {}))

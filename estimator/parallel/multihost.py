@@ -27,6 +27,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
+from ..errors import EstimatorRuntimeError
 from .mesh import DATA
 
 
@@ -168,7 +169,7 @@ def broadcast_object(obj: Any) -> Any:
     return pickle.loads(buf.tobytes())
 
 
-class RemoteError(RuntimeError):
+class RemoteError(EstimatorRuntimeError):
     """Host work that runs on process 0 only failed there; raised on the other processes."""
 
 

@@ -1,0 +1,42 @@
+"""The errors the framework raises on purpose, under one base.
+
+Every deliberate error derives from ``EstimatorError``; each also keeps the built-in base it
+had before (``ValueError``, ``TypeError`` or ``RuntimeError``), so ``except ValueError`` in
+existing code still catches what it caught.
+
+Example:
+  >>> try:
+  ...     est.evaluate(input_fn)
+  ... except estimator.NoCheckpointError:
+  ...     est.train(input_fn, max_steps=100)
+"""
+
+from __future__ import annotations
+
+
+class EstimatorError(Exception):
+    """Base of every error this framework raises on purpose."""
+
+
+class EstimatorValueError(EstimatorError, ValueError):
+    """A bad value: an argument, a config field, an input batch, a spec field."""
+
+
+class EstimatorTypeError(EstimatorError, TypeError):
+    """An argument or a returned value of the wrong type."""
+
+
+class EstimatorRuntimeError(EstimatorError, RuntimeError):
+    """A failure while running: host work, another process, the environment."""
+
+
+class CheckpointError(EstimatorError, RuntimeError):
+    """No readable checkpoint where one was expected, or a step that cannot be read."""
+
+
+class CheckpointMismatchError(CheckpointError, ValueError):
+    """A readable checkpoint whose variables do not match the model (another model's)."""
+
+
+class NoCheckpointError(CheckpointError, ValueError):
+    """There is no checkpoint at all where one is needed (TF: "Could not find trained model")."""

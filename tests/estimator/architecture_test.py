@@ -1,0 +1,135 @@
+"""The package's dependency rules, read from the source: no cycles, layers point one way.
+
+The compiled side (``engine``) never reaches into the host drivers, nothing but the command
+line imports the model zoo, and importing the library configures no logging.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PKG = ROOT / "estimator"
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _is_package(name: str) -> bool:
+    return (ROOT / name.replace(".", "/") / "__init__.py").exists()
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """Every module ``path`` imports (module level and inside functions), absolute names."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            for a in node.names:  # ``from pkg import module`` names a module
+                sub = f"{target}.{a.name}"
+                out.add(sub if _is_package(target) and _exists(sub) else target)
+    return out
+
+
+def _exists(name: str) -> bool:
+    p = ROOT / name.replace(".", "/")
+    return p.with_suffix(".py").exists() or (p / "__init__.py").exists()
+
+
+def _graph() -> dict[str, set[str]]:
+    graph = {}
+    for path in PKG.rglob("*.py"):
+        name = _module_name(path)
+        # The package roots only re-export; an edge to a root is an edge to what it re-exports.
+        graph[name] = {m for m in _imports(path) if m.startswith("estimator.")}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    inits = {n for n in graph if _is_package(n)}
+    edges = {n: {m for m in ms if m in graph and m not in inits} for n, ms in graph.items()}
+    found, state, stack = [], {}, []
+
+    def visit(n):
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(edges[n]):
+            if state.get(m) == 1:
+                found.append(stack[stack.index(m) :] + [m])
+            elif m not in state:
+                visit(m)
+        stack.pop()
+        state[n] = 2
+
+    for n in sorted(edges):
+        if n not in state and n not in inits:
+            visit(n)
+    return found
+
+
+def test_import_graph_has_no_cycles():
+    assert _cycles(_graph()) == []
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]
+
+
+@pytest.mark.parametrize(
+    "layer, forbidden",
+    [
+        ("estimator.engine", ("estimator.driver", "estimator.cli", "estimator.tpu_estimator")),
+        ("estimator.data", ("estimator.driver", "estimator.cli", "estimator.tpu_estimator")),
+        ("estimator.parallel", ("estimator.driver", "estimator.cli", "estimator.tpu_estimator")),
+        ("estimator.io", ("estimator.driver", "estimator.cli")),
+        ("estimator.driver", ("estimator.cli", "estimator.tpu_estimator")),
+    ],
+)
+def test_layers_point_one_way(layer, forbidden):
+    bad = {
+        (n, m)
+        for n, ms in _graph().items()
+        if n.startswith(layer)
+        for m in ms
+        if m.startswith(forbidden)
+    }
+    assert bad == set()
+
+
+def test_only_the_command_line_imports_the_model_zoo():
+    importers = set()
+    for path in PKG.rglob("*.py"):
+        if any(m == "models" or m.startswith("models.") for m in _imports(path)):
+            importers.add(_module_name(path))
+    assert importers and all(n.startswith("estimator.cli") for n in importers), importers
+
+
+def test_import_leaves_models_out_and_logging_unconfigured():
+    code = (
+        "import logging, sys, estimator\n"
+        "log = logging.getLogger('estimator')\n"
+        "print('models' in sys.modules, len(log.handlers), log.propagate,"
+        " len(logging.root.handlers))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
+    )
+    assert out.stdout.split() == ["False", "0", "True", "0"]
