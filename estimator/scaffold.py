@@ -26,7 +26,6 @@ import numpy as np
 
 from .driver.host import check_no_traced_values, traced_value_guard
 from .io.checkpoint import read_variables
-from .spec import ModeKeys
 
 log = logging.getLogger("estimator")
 
@@ -184,12 +183,13 @@ def _call_scaffold_fn(scaffold_fn: Callable) -> Scaffold:
     return scaffold
 
 
-def fresh_init_fn(est) -> Callable[[dict], dict] | None:
-    """Warm start then the spec's scaffold ``init_fn``, composed; None when neither is set."""
+def fresh_init_fn(spec: Any, warm_start_from: Any = None) -> Callable[[dict], dict] | None:
+    """Warm start then the TRAIN spec's scaffold ``init_fn``, composed; None when neither is
+    set. ``warm_start_from`` is the estimator's argument (a path or ``WarmStartSettings``)."""
     fns = []
-    if est._warm_start_from is not None:
-        fns.append(_warm_start_fn(est._warm_start_from))
-    scaffold_fn = est._holder[ModeKeys.TRAIN].scaffold_fn
+    if warm_start_from is not None:
+        fns.append(_warm_start_fn(warm_start_from))
+    scaffold_fn = spec.scaffold_fn
     if scaffold_fn is not None:
         scaffold = _call_scaffold_fn(scaffold_fn)
         if scaffold.init_fn is not None:

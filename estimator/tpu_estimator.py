@@ -8,7 +8,7 @@ Example:
   >>> est.evaluate(eval_input_fn)        # {'accuracy': 0.97, 'loss': 0.1, 'global_step': 1000}
   >>> next(est.predict(predict_input_fn))
 
-Current limitations are listed in the README.
+Current limitations are listed in docs/design.md.
 """
 
 from __future__ import annotations
@@ -26,19 +26,20 @@ from hooks import SessionRunHook
 
 from . import runtime
 from .cluster.cluster import start_cluster
-from .config import InputPipelineConfig, RunConfig
-from .data.inputs import Pipeline, Prefetcher, call_input_fn, read_chunk
-from .data.synced import synced
+from .config import RunConfig
+from .data.feeder import Feeder
+from .data.layout import BatchLayout, check_batch_size
 from .driver.evaluation import run_eval_loops
+from .driver.job import Job, TrainOutcome
 from .driver.prediction import run_predict_loops
 from .driver.training import run_train_loops
-from .engine.loops import SpecHolder, make_eval_loop, make_init, make_train_loop
 from .engine.model import ModelFn, user_params
+from .engine.programs import Programs
 from .errors import NoCheckpointError
-from .input_context import InputContext
 from .io import checkpoint as ckpt_lib
 from .io.export import export_saved_model
-from .parallel import multihost, partitioning
+from .io.store import StateStore
+from .parallel import multihost
 from .parallel.mesh import make_mesh, num_replicas, single_device_mesh
 from .spec import ModeKeys
 
@@ -97,19 +98,38 @@ class TPUEstimator:
                 f"TPUConfig.num_shards={tpu.num_shards} does not match the {self._replicas} "
                 "replicas the devices provide"
             )
-        self._batch = {
-            ModeKeys.TRAIN: self._check_batch("train_batch_size", train_batch_size, use_tpu),
-            ModeKeys.EVAL: self._check_batch("eval_batch_size", eval_batch_size, False),
-            ModeKeys.PREDICT: self._check_batch("predict_batch_size", predict_batch_size, False),
+        layouts = {
+            mode: BatchLayout(
+                mode,
+                check_batch_size(
+                    field,
+                    value,
+                    required=self._use_tpu and mode == ModeKeys.TRAIN,
+                    replicas=self._replicas,
+                    pipeline=tpu.per_host_input_for_training,
+                ),
+                replicas=self._replicas,
+                local_replicas=multihost.local_replicas(self._mesh),
+                processes=jax.process_count(),
+                pipeline=tpu.per_host_input_for_training,
+                required=self._use_tpu,
+            )
+            for mode, field, value in (
+                (ModeKeys.TRAIN, "train_batch_size", train_batch_size),
+                (ModeKeys.EVAL, "eval_batch_size", eval_batch_size),
+                (ModeKeys.PREDICT, "predict_batch_size", predict_batch_size),
+            )
         }
         self._warm_start_from = warm_start_from
-        self._holder = SpecHolder()
-        self._compiled: dict = {}
-        self._var_specs = None  # PartitionSpecs of the variables, known once model_fn is traced
-        self._checkpoints: ckpt_lib.Checkpoints | None = None
-        # (step, TrainState, meta) left by the last train(), equal to its final checkpoint.
-        self._live: tuple | None = None
-        self._stopped_by_hook = False  # whether the last train() ended on a hook's request
+        self._job = Job(
+            config=self._config,
+            mesh=self._mesh,
+            model=self._model,
+            programs=Programs(self._model, self._mesh, self._config),
+            store=StateStore(self.model_dir, keep_checkpoint_max=self._config.keep_checkpoint_max),
+            feeder=Feeder(layouts, self._params, self._config, self._mesh),
+        )
+        self._last_outcome: TrainOutcome | None = None
 
     # ----------------------------------------------------------------- properties
     @property
@@ -133,159 +153,7 @@ class TPUEstimator:
         return self._replicas
 
     def eval_dir(self, name: str | None = None) -> str:
-        return os.path.join(self.model_dir, "eval" if not name else f"eval_{name}")
-
-    # ----------------------------------------------------------------- batches
-    def _check_batch(self, field: str, value: Any, required: bool) -> int | None:
-        if value is None:
-            if required:
-                raise ValueError(f"{field} must be set when use_tpu=True")
-            return None
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"{field} must be an int, got {type(value).__name__}")
-        if value <= 0:
-            raise ValueError(f"{field} must be positive, got {value}")
-        mode_cfg = self._config.tpu_config.per_host_input_for_training
-        if mode_cfg != InputPipelineConfig.BROADCAST and value % self._replicas:
-            raise ValueError(
-                f"{field}={value} is not divisible by the number of replicas ({self._replicas})"
-            )
-        return int(value)
-
-    def _global_batch(self, mode: str) -> int:
-        batch = self._batch[mode]
-        if batch is None:
-            if self._use_tpu:
-                field = {"train": "train_batch_size", "eval": "eval_batch_size"}.get(
-                    mode, "predict_batch_size"
-                )
-                raise ValueError(f"{field} must be set to run {mode} with use_tpu=True")
-        return batch
-
-    def _replica_batch(self, global_batch: int) -> int:
-        if self._config.tpu_config.per_host_input_for_training == InputPipelineConfig.BROADCAST:
-            return global_batch
-        return global_batch // self._replicas
-
-    def _input_params(self, global_batch: int | None) -> dict:
-        params = user_params(self._params)
-        if global_batch is None:
-            return params
-        mode_cfg = self._config.tpu_config.per_host_input_for_training
-        if mode_cfg in (InputPipelineConfig.PER_HOST_V2, InputPipelineConfig.PER_SHARD_V1):
-            params["batch_size"] = global_batch // self._replicas
-        elif mode_cfg == InputPipelineConfig.BROADCAST:
-            params["batch_size"] = global_batch
-        else:
-            params["batch_size"] = global_batch // jax.process_count()
-        return params
-
-    def _pipeline(self, input_fn: Callable, mode: str, *, pad: bool) -> Pipeline:
-        global_batch = self._global_batch(mode)
-        it = call_input_fn(
-            input_fn,
-            params=self._input_params(global_batch),
-            config=self._config,
-            mode=mode,
-            input_context=InputContext(jax.process_count(), jax.process_index(), self._replicas),
-        )
-        mode_cfg = self._config.tpu_config.per_host_input_for_training
-        local = multihost.local_replicas(self._mesh)  # this process feeds only its replicas
-        if global_batch is not None and mode_cfg != InputPipelineConfig.BROADCAST:
-            global_batch = global_batch * local // self._replicas
-        return Pipeline(
-            it, mode_cfg=mode_cfg, global_batch=global_batch, num_replicas=local, pad=pad
-        )
-
-    def _prefetch(
-        self, pipe: Pipeline, schedule: Callable[[], int], *, fill: bool, skip: int = 0
-    ) -> Prefetcher:
-        def produce():
-            if skip and pipe.pulled == 0:
-                done = pipe.skip(skip)
-                if done < skip:
-                    log.warning("Input ended while skipping %d consumed batches.", skip)
-            n = schedule()
-            return read_chunk(pipe, n, fill=fill, mesh=self._mesh) if n > 0 else None
-
-        return synced(Prefetcher(produce), pipe, fill=fill, mesh=self._mesh)
-
-    # ----------------------------------------------------------------- compiled loops
-    def _loop(self, kind: str, batch_size: int):
-        key = (kind, batch_size)
-        if key not in self._compiled:
-            tpu = self._config.tpu_config
-            unroll = tpu.unroll_loops
-            if unroll is None:  # XLA:CPU runs convolutions in rolled loops slowly
-                unroll = jax.default_backend() == "cpu" and tpu.iterations_per_loop <= 10
-            if kind == "init_train":
-                fn = make_init(
-                    self._model,
-                    self._mesh,
-                    self._holder,
-                    mode=ModeKeys.TRAIN,
-                    batch_size=batch_size,
-                )
-            elif kind.startswith("init_"):
-                fn = make_init(
-                    self._model, self._mesh, self._holder, mode=kind[5:], batch_size=batch_size
-                )
-            elif kind == ModeKeys.TRAIN:
-                fn = make_train_loop(
-                    self._model,
-                    self._mesh,
-                    self._holder,
-                    batch_size=batch_size,
-                    unroll=unroll,
-                    skip_nonfinite=self._config.skip_nonfinite_steps,
-                    var_specs=self._var_specs,
-                    input_specs=self._input_specs(),
-                )
-            else:
-                fn = make_eval_loop(
-                    self._model,
-                    self._mesh,
-                    self._holder,
-                    mode=kind,
-                    batch_size=batch_size,
-                    unroll=unroll,
-                    input_specs=self._input_specs(),
-                )
-            self._compiled[key] = fn
-        return self._compiled[key]
-
-    def _input_specs(self) -> tuple:
-        """(features, labels) PartitionSpecs from ``TPUConfig.input_partition_dims``."""
-        tpu = self._config.tpu_config
-        dims = tpu.input_partition_dims
-        if not dims:
-            return (None, None)
-
-        def specs(d):
-            if d is None:
-                return None
-            if isinstance(d, dict):
-                return {k: specs(v) for k, v in d.items()}
-            return partitioning.partition_spec_from_dims(
-                d, num_cores_per_replica=tpu.num_cores_per_replica
-            )
-
-        return specs(dims[0]), specs(dims[1]) if len(dims) > 1 else None
-
-    def _writer_checkpoints(self) -> ckpt_lib.Checkpoints:
-        if self._checkpoints is None:
-            self._checkpoints = ckpt_lib.Checkpoints(
-                self.model_dir, max_to_keep=self._config.keep_checkpoint_max
-            )
-        return self._checkpoints
-
-    def _reader_checkpoints(self, model_dir: str | None = None) -> ckpt_lib.Checkpoints:
-        if model_dir is None or os.path.abspath(model_dir) == os.path.abspath(self.model_dir):
-            if self._checkpoints is not None:
-                self._checkpoints.wait()
-                return self._checkpoints
-            model_dir = self.model_dir
-        return ckpt_lib.Checkpoints(model_dir, read_only=True)
+        return self._job.eval_dir(name)
 
     # ----------------------------------------------------------------- train
     def train(
@@ -306,8 +174,20 @@ class TPUEstimator:
         """
         _check_steps(steps, max_steps)
         _check_hooks(hooks)
-        run_train_loops(self, input_fn, hooks=hooks, steps=steps, max_steps=max_steps)
+        self._last_outcome = run_train_loops(
+            self._job,
+            input_fn,
+            hooks=hooks,
+            steps=steps,
+            max_steps=max_steps,
+            warm_start_from=self._warm_start_from,
+        )
         return self
+
+    @property
+    def last_train_outcome(self) -> TrainOutcome | None:
+        """How the last ``train`` call ended (step reached, stopped by a hook), or None."""
+        return self._last_outcome
 
     # ----------------------------------------------------------------- evaluate / predict
     def evaluate(
@@ -328,9 +208,8 @@ class TPUEstimator:
             raise ValueError(f"Must specify steps > 0, given: {steps}")
         _check_hooks(hooks)
         return run_eval_loops(
-            self,
+            self._job,
             input_fn,
-            ModeKeys.EVAL,
             steps=steps,
             hooks=hooks,
             checkpoint_path=checkpoint_path,
@@ -367,7 +246,7 @@ class TPUEstimator:
             raise TypeError(f"predict_keys must be a str or a list of str, got {predict_keys!r}")
         _check_hooks(hooks)
         return run_predict_loops(
-            self,
+            self._job,
             input_fn,
             predict_keys=predict_keys,
             hooks=hooks,
@@ -388,11 +267,12 @@ class TPUEstimator:
         """Exports the PREDICT computation (``jax.export``, symbolic batch) with its variables.
 
         Returns the new ``<export_dir_base>/<timestamp>`` directory; load it anywhere with
-        ``estimator.load_saved_model``. See ``estimator/export.py`` for the serving input
+        ``estimator.load_saved_model``. See ``estimator/io/export.py`` for the serving input
         form and the files written.
         """
         return export_saved_model(
-            self,
+            self._job.programs,
+            self._job.store,
             export_dir_base,
             serving_input_receiver_fn,
             checkpoint_path,
@@ -403,9 +283,7 @@ class TPUEstimator:
     # ----------------------------------------------------------------- checkpoints
     def latest_checkpoint(self) -> str | None:
         """The directory of the newest complete checkpoint, or None."""
-        ckpts = self._reader_checkpoints()
-        steps = ckpts.steps()
-        return ckpts.path(steps[-1]) if steps else None
+        return self._job.store.latest_checkpoint()
 
     def get_variable_names(self) -> list[str]:
         """Names of every saved variable, ``collection/module/.../leaf`` for non-params."""

@@ -106,7 +106,8 @@ def train_and_evaluate(est, train_spec: TrainSpec, eval_spec: EvalSpec) -> tuple
             last_eval_time is None or now - last_eval_time >= eval_spec.throttle_secs
         ):
             evaluate()
-        if not progressed or step < target or est._stopped_by_hook:
+        outcome = est.last_train_outcome
+        if not progressed or step < target or (outcome and outcome.stopped_by_hook):
             log.info("Training stopped at step %d (input ended or a hook requested stop).", step)
             break
     if last_eval_step != step:

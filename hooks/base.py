@@ -192,6 +192,14 @@ class SessionRunHook:
     def end(self, session: HookSession) -> None:
         """Called at the end of the session (not called when a loop raised)."""
 
+    def planned_last_step(self, start_step: int) -> int | None:
+        """The global step this hook will stop training at, if it knows it in advance.
+
+        Optional (not in TF's API). The estimator shortens the final device loop so training
+        lands exactly on the smallest such step; ``None`` (the default) means no plan.
+        """
+        return None
+
 
 def resolve_fetches(fetches: Fetches, lookup: Mapping[str, Any] | Callable[[str], Any]) -> Any:
     """Replaces every name in ``fetches`` by its value, keeping the structure.

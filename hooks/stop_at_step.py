@@ -28,8 +28,8 @@ class StopAtStepHook(SessionRunHook):
 
     ``num_steps`` is counted from the global step the session starts at (resolved in
     ``after_create_session``, so a resumed run trains ``num_steps`` more). The estimator
-    reads the resolved ``last_step`` attribute to shorten the final device loop, so training
-    lands exactly on it; a stop requested mid-loop takes effect at the loop's end.
+    asks ``planned_last_step`` to shorten the final device loop, so training lands exactly
+    on it; a stop requested mid-loop takes effect at the loop's end.
 
     Args:
       num_steps: number of steps to run from the starting global step.
@@ -56,6 +56,10 @@ class StopAtStepHook(SessionRunHook):
     def after_create_session(self, session: HookSession, coord: Any) -> None:
         if self._num_steps is not None:
             self.last_step = int(session.global_step) + self._num_steps
+
+    def planned_last_step(self, start_step: int) -> int | None:
+        """``last_step``, or ``start_step + num_steps`` before the session resolved it."""
+        return self.last_step if self.last_step is not None else start_step + self._num_steps
 
     def before_run(self, run_context: SessionRunContext) -> SessionRunArgs | None:
         # The estimator gives every step in run_context.steps; fetch only without them.

@@ -1,1 +1,5 @@
-"""The `tpu-estimator` command line: argument parsing and job configs."""
+"""The ``tpu-estimator`` command line: argument parsing (``app``) and job configs (``jobs``)."""
+
+from .app import main
+
+__all__ = ["main"]

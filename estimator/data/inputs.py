@@ -21,9 +21,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from ..config import InputPipelineConfig
 from ..input_context import InputContext
 from ..parallel import multihost
+from .layout import BatchLayout
 
 log = logging.getLogger("estimator")
 
@@ -230,9 +230,7 @@ class Pipeline:
 
     Args:
       iterator: what input_fn returned.
-      mode_cfg: the InputPipelineConfig.
-      global_batch: the global batch size (rows across all replicas per step).
-      num_replicas: replicas in the mesh.
+      layout: the mode's ``BatchLayout`` (pulls per step, rows per pull, broadcast).
       pad: whether a short final batch is padded (eval/predict) or dropped (train).
     """
 
@@ -240,21 +238,13 @@ class Pipeline:
         self,
         iterator: Iterator,
         *,
-        mode_cfg: InputPipelineConfig,
-        global_batch: int,
-        num_replicas: int,
+        layout: BatchLayout,
         pad: bool,
     ):
         self.it = iterator
-        self.mode_cfg = mode_cfg
-        self.num_replicas = num_replicas
+        self.layout = layout
         self.pad = pad
-        if mode_cfg == InputPipelineConfig.BROADCAST:
-            self.pulls_per_step, self.rows_per_pull = 1, global_batch
-        elif mode_cfg in (InputPipelineConfig.PER_HOST_V2, InputPipelineConfig.PER_SHARD_V1):
-            self.pulls_per_step, self.rows_per_pull = num_replicas, global_batch // num_replicas
-        else:
-            self.pulls_per_step, self.rows_per_pull = 1, global_batch
+        self.pulls_per_step, self.rows_per_pull = layout.pulls_per_step, layout.rows_per_pull
         self.sig: Signature | None = None
         self.has_labels: bool | None = None
         self.exhausted = False
@@ -337,15 +327,13 @@ class Pipeline:
             masks.append(np.zeros(self.rows_per_pull, bool))
         leaves = [np.concatenate(xs) for xs in zip(*parts)]
         mask = np.concatenate(masks)
-        if self.mode_cfg == InputPipelineConfig.BROADCAST:  # every replica gets the whole batch
-            leaves = [np.concatenate([x] * self.num_replicas) for x in leaves]
-            mask = np.concatenate([mask] * self.num_replicas)
+        if self.layout.copies > 1:  # BROADCAST: every replica gets the whole batch
+            leaves = [np.concatenate([x] * self.layout.copies) for x in leaves]
+            mask = np.concatenate([mask] * self.layout.copies)
         return leaves, mask
 
     def empty_step(self) -> tuple[list, np.ndarray]:
-        rows = self.rows_per_pull * self.pulls_per_step
-        if self.mode_cfg == InputPipelineConfig.BROADCAST:
-            rows *= self.num_replicas
+        rows = self.rows_per_pull * self.pulls_per_step * self.layout.copies
         leaves = [np.zeros((rows, *s), d) for s, d in zip(self.sig.shapes, self.sig.dtypes)]
         return leaves, np.zeros(rows, bool)
 

@@ -1,4 +1,4 @@
-"""Evaluation and prediction loops: pad the last batch, count every example exactly once."""
+"""Evaluation, and the device loops prediction shares: every example counted exactly once."""
 
 from __future__ import annotations
 
@@ -10,26 +10,33 @@ import jax
 import numpy as np
 
 from .. import summary
-from ..config import InputPipelineConfig
 from ..engine.state import restore_variables
 from ..parallel import multihost
 from ..runtime import seed_key_data
 from ..spec import ModeKeys
 from .hook_runner import HookRunner, Session
 from .host import HostWorker, MetricAccumulator
+from .job import Job
 
 log = logging.getLogger("estimator")
 
 
-def _loops(
-    est, input_fn, mode: str, *, steps: int | None, hooks, checkpoint_path, fetch=multihost.to_host
+def device_loops(
+    job: Job,
+    input_fn,
+    mode: str,
+    *,
+    steps: int | None,
+    hooks,
+    checkpoint_path,
+    to_host=multihost.to_host,
 ) -> Iterator:
-    """Yields ``(chunk, outputs, global_step)`` per device loop, hooks run around each.
-
-    ``fetch`` copies the loop's outputs to the host (default: every row, on every process).
+    """Yields ``(chunk, outputs, global_step)`` per device loop of EVAL or PREDICT, the
+    hooks run around each. ``to_host`` copies the loop's outputs to the host (default: every
+    row, on every process).
     """
-    pipe = est._pipeline(input_fn, mode, pad=True)
-    ipl = est.config.tpu_config.iterations_per_loop
+    pipe = job.feeder.pipeline(input_fn, mode, pad=True)
+    ipl = job.config.tpu_config.iterations_per_loop
     left = [steps]
 
     def schedule() -> int:
@@ -39,35 +46,37 @@ def _loops(
         left[0] -= n
         return n
 
-    prefetch = est._prefetch(pipe, schedule, fill=True)
+    prefetch = job.feeder.prefetch(pipe, schedule, fill=True)
     try:
         chunk = next(prefetch, None)
         if chunk is None:
             raise ValueError(
                 f"input_fn produced no batches to {'evaluate' if mode == 'eval' else 'predict'}"
             )
-        est._model.check_labels(pipe.has_labels)
-        batch = jax.tree.leaves(chunk.features)[0].shape[1] // est.num_replicas
-        variables, global_step = restore_variables(est, mode, chunk, batch, checkpoint_path)
-        loop = est._loop(mode, batch)
-        spec = est._holder[mode]
+        job.model.check_labels(pipe.has_labels)
+        batch = jax.tree.leaves(chunk.features)[0].shape[1] // job.num_replicas
+        variables, global_step = restore_variables(
+            job.programs, job.store, mode, chunk, batch, checkpoint_path
+        )
+        loop = job.programs.infer(mode, batch)
+        spec = job.programs.spec(mode)
         if mode == ModeKeys.PREDICT:
             _check_predictions(spec.predictions, batch)
         spec_hooks = spec.evaluation_hooks if mode == ModeKeys.EVAL else spec.prediction_hooks
         runner = HookRunner(
             list(spec_hooks) + list(hooks or ()),
-            Session(mode=mode, model_dir=est.model_dir, global_step=global_step),
-            examples_per_step=est._batch[mode] or 0,
+            Session(mode=mode, model_dir=job.model_dir, global_step=global_step),
+            examples_per_step=job.feeder.layout(mode).global_rows or 0,
         )
         runner.begin()
         runner.after_create_session()
-        rng = jax.device_put(seed_key_data(est.config.tf_random_seed))
+        rng = jax.device_put(seed_key_data(job.config.tf_random_seed))
         step_arr = np.int32(global_step)
         done = 0
         while chunk is not None:
             counters = np.arange(done + 1, done + chunk.steps + 1)
             runner.before_run(counters)
-            outs = fetch(loop(variables, step_arr, rng, chunk.features, chunk.labels, chunk.mask))
+            outs = to_host(loop(variables, step_arr, rng, chunk.features, chunk.labels, chunk.mask))
             done += chunk.steps
             yield chunk, outs, global_step
             values = {"loss": outs[0][: chunk.steps].mean(axis=1)} if mode == ModeKeys.EVAL else {}
@@ -92,29 +101,22 @@ def _check_predictions(predictions: Any, rows: int) -> None:
             )
 
 
-def _dedupe_broadcast(est, host_mask: np.ndarray) -> np.ndarray:
-    """In BROADCAST every replica sees the whole batch: count only replica 0's copy."""
-    if est.config.tpu_config.per_host_input_for_training != InputPipelineConfig.BROADCAST:
-        return host_mask
-    n, rows = host_mask.shape
-    keep = np.zeros_like(host_mask)
-    keep[:, : rows // est.num_replicas] = host_mask[:, : rows // est.num_replicas]
-    return keep
-
-
-def run_eval_loops(est, input_fn, mode: str, *, steps, hooks, checkpoint_path, name) -> dict:
+def run_eval_loops(job: Job, input_fn, *, steps, hooks, checkpoint_path, name) -> dict:
+    """Evaluates every example once; returns the metrics, ``loss`` and ``global_step``."""
+    mode = ModeKeys.EVAL
+    layout = job.feeder.layout(mode)
     worker = HostWorker("eval-metrics")
     acc = MetricAccumulator()
     loss_sum, count, global_step = 0.0, 0, 0
     try:
-        for chunk, (losses, tensors), global_step in _loops(  # noqa: B007 (read after the loop)
-            est, input_fn, mode, steps=steps, hooks=hooks, checkpoint_path=checkpoint_path
+        for chunk, (losses, tensors), global_step in device_loops(  # noqa: B007 (read after)
+            job, input_fn, mode, steps=steps, hooks=hooks, checkpoint_path=checkpoint_path
         ):
-            mask = _dedupe_broadcast(est, chunk.host_mask)
-            per_replica = mask.reshape(mask.shape[0], est.num_replicas, -1).sum(-1)
+            mask = layout.count_once(chunk.host_mask)
+            per_replica = mask.reshape(mask.shape[0], job.num_replicas, -1).sum(-1)
             loss_sum += float(np.where(per_replica > 0, losses * per_replica, 0.0).sum())
             count += int(mask.sum())
-            metric_fn = est._holder[mode].eval_metrics
+            metric_fn = job.programs.spec(mode).eval_metrics
             if metric_fn is not None and multihost.is_process_0():  # once per eval batch
                 worker.submit(lambda f=metric_fn[0], t=tensors, m=mask: acc.update_loop(f, t, m))
 
@@ -128,17 +130,17 @@ def run_eval_loops(est, input_fn, mode: str, *, steps, hooks, checkpoint_path, n
         worker.close()
     results["loss"] = loss_sum / count if count else 0.0
     results["global_step"] = global_step
-    _write_results(est, results, name)
+    _write_results(job.eval_dir(name), results)
     return results
 
 
-def _write_results(est, results: dict, name: str | None) -> None:
+def _write_results(eval_dir: str, results: dict) -> None:
     log.info(
         "Saving dict for global step %d: %s",
         results["global_step"],
         ", ".join(f"{k} = {v}" for k, v in sorted(results.items())),
     )
-    writer = summary.writer_for(est.eval_dir(name))
+    writer = summary.writer_for(eval_dir)
     if writer is None:
         return
     for key, value in results.items():
@@ -146,4 +148,4 @@ def _write_results(est, results: dict, name: str | None) -> None:
             writer.add_scalar(key, float(value), global_step=results["global_step"])
     # tensorboardX's flush() does not wait for its queue; closing does, so early-stopping
     # hooks and other readers see these results as soon as evaluate returns.
-    summary.close(est.eval_dir(name))
+    summary.close(eval_dir)

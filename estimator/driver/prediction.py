@@ -8,7 +8,8 @@ import numpy as np
 
 from ..parallel import multihost
 from ..spec import ModeKeys
-from .evaluation import _dedupe_broadcast, _loops
+from .evaluation import device_loops
+from .job import Job
 
 
 def _select(predictions, keys: Sequence[str] | None):
@@ -25,7 +26,7 @@ def _select(predictions, keys: Sequence[str] | None):
 
 
 def run_predict_loops(
-    est,
+    job: Job,
     input_fn,
     *,
     predict_keys,
@@ -37,27 +38,28 @@ def run_predict_loops(
     """Yields the predictions of this process's examples; with ``gather`` (many processes)
     process 0 yields every process's examples in global order and the others none."""
     if gather:
-        fetch = multihost.to_host
+        to_host = multihost.to_host
     else:
 
-        def fetch(outs):
-            return multihost.local_to_host(outs, est.mesh)
+        def to_host(outs):
+            return multihost.local_to_host(outs, job.mesh)
 
-    for chunk, preds, _ in _loops(
-        est,
+    layout = job.feeder.layout(ModeKeys.PREDICT)
+    for chunk, preds, _ in device_loops(
+        job,
         input_fn,
         ModeKeys.PREDICT,
         steps=None,
         hooks=hooks,
         checkpoint_path=checkpoint_path,
-        fetch=fetch,
+        to_host=to_host,
     ):
         if gather and not multihost.is_process_0():
             continue  # the loops still run here: every process takes part in each of them
         preds = _select(preds, predict_keys)
-        mask = _dedupe_broadcast(est, chunk.host_mask)
+        mask = layout.count_once(chunk.host_mask)
         if not gather:
-            mask = multihost.local_rows(mask, est.mesh)
+            mask = multihost.local_rows(mask, job.mesh)
         for i in range(chunk.steps):
             keep = mask[i]
             if isinstance(preds, Mapping):

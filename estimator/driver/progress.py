@@ -9,8 +9,11 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 import hooks as hooks_lib
+
+from ..config import RunConfig
 
 log = logging.getLogger("estimator")
 
@@ -20,10 +23,17 @@ def count_parameters(params: Any) -> int:
 
 
 def log_startup_summary(
-    est, *, global_batch: int, replica_batch: int, params: Any, start_step: int, target: int | None
+    mesh: Mesh,
+    config: RunConfig,
+    *,
+    global_batch: int,
+    replica_batch: int,
+    params: Any,
+    start_step: int,
+    target: int | None,
 ) -> None:
     """One block at the start of training: devices, mesh, batch sizes and parameter count."""
-    devices = est.mesh.devices.reshape(-1)
+    devices = mesh.devices.reshape(-1)
     kinds = sorted({d.device_kind for d in devices})
     log.info(
         "Training on %d %s device(s) (%s), %d process(es); mesh %s; global batch %d, "
@@ -33,12 +43,12 @@ def log_startup_summary(
         devices[0].platform,
         ", ".join(kinds),
         jax.process_count(),
-        dict(est.mesh.shape),
+        dict(mesh.shape),
         global_batch,
         replica_batch,
-        est.num_replicas,
+        mesh.shape["data"],
         f"{count_parameters(params):,}",
-        est.config.tpu_config.iterations_per_loop,
+        config.tpu_config.iterations_per_loop,
         start_step,
         "" if target is None else f" to step {target}",
     )

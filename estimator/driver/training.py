@@ -7,8 +7,10 @@ among them) -> maybe checkpoint. The next loop's input is already on the devices
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -16,33 +18,52 @@ import numpy as np
 import hooks as hooks_lib
 
 from .. import summary
-from ..data.inputs import Prefetcher
+from ..config import RunConfig
+from ..data.inputs import Chunk, Prefetcher
+from ..engine.loops import TrainState
 from ..engine.state import fresh_train_state, restore_train_state, train_state_parts
+from ..io.checkpoint import Checkpoints
+from ..io.store import LastState
 from ..parallel import multihost
 from ..scaffold import fresh_init_fn
 from ..spec import ModeKeys
 from . import progress
 from .hook_runner import HookRunner, Session
 from .host import HostWorker, run_host_calls
+from .job import Job, TrainOutcome
 from .preemption import Preempted, PreemptionWatcher
 
 log = logging.getLogger("estimator")
 
 
+@dataclasses.dataclass
+class _Position:
+    """Where the training input stands: batches consumed, and the iterator's own state."""
+
+    input_pulls: int = 0
+    input_state: Any = None
+
+
+@dataclasses.dataclass
+class _Run:
+    """The mutable state of one ``train`` call, owned by the loop."""
+
+    state: TrainState
+    position: _Position
+
+
 class _Saver:
     """Writes checkpoints at the configured cadence and at the end; never twice a step."""
 
-    def __init__(self, est, ckpts, state_ref: list, position: dict):
-        self.est, self.ckpts = est, ckpts
-        self.state_ref, self.position = state_ref, position  # input_pulls, input_state
-        cfg = est.config
-        self.every_steps = cfg.save_checkpoints_steps
-        self.every_secs = cfg.checkpoint_every_secs
+    def __init__(self, config: RunConfig, ckpts: Checkpoints, run: _Run):
+        self.ckpts, self.run = ckpts, run
+        self.every_steps = config.save_checkpoints_steps
+        self.every_secs = config.checkpoint_every_secs
         self.last_step = None
         self.last_time = time.monotonic()
 
     def save(self, step: int | None = None) -> str | None:
-        state = self.state_ref[0]
+        state = self.run.state
         step = int(jax.device_get(state.step)) if step is None else step
         if step == self.last_step:
             return self.ckpts.path(step)
@@ -54,13 +75,14 @@ class _Saver:
 
     def meta(self, step: int) -> dict:
         """The JSON meta of a checkpoint: the step and the input position after it."""
-        out = {"global_step": step, "input_pulls": self.position["input_pulls"]}
+        position = self.run.position
+        out = {"global_step": step, "input_pulls": position.input_pulls}
         if multihost.is_multiprocess():  # one iterator per process: keep every position
-            states = multihost.gather_objects(self.position.get("input_state"))
+            states = multihost.gather_objects(position.input_state)
             if any(s is not None for s in states):
                 out["input_states"] = states
-        elif self.position.get("input_state") is not None:
-            out["input_state"] = self.position["input_state"]
+        elif position.input_state is not None:
+            out["input_state"] = position.input_state
         return out
 
     def maybe_save(self, step: int) -> None:
@@ -72,12 +94,12 @@ class _Saver:
             self.save(step)
 
 
-def _default_hooks(est, given=()) -> list:
+def _default_hooks(config: RunConfig, given=()) -> list:
     """NanTensorHook (unless non-finite steps are skipped, or the user passed their own
     NanTensorHook, e.g. ``fail_on_nan_loss=False``) and the step counter."""
-    every = est.config.log_step_count_steps or 0
+    every = config.log_step_count_steps or 0
     own_nan = any(isinstance(h, hooks_lib.NanTensorHook) for h in given)
-    out = [] if est.config.skip_nonfinite_steps or own_nan else [hooks_lib.NanTensorHook("loss")]
+    out = [] if config.skip_nonfinite_steps or own_nan else [hooks_lib.NanTensorHook("loss")]
     if every:  # logs speed; the summaries come every save_summary_steps (TrainSummaries)
         out.append(hooks_lib.StepCounterHook(every_n_steps=every))
     return out
@@ -93,15 +115,15 @@ def _log_loss(every: int, losses: np.ndarray, steps: np.ndarray, clock: list) ->
     clock[0] = now
 
 
-def _open_input(est, input_fn, meta: dict, target_fn):
+def _open_input(job: Job, input_fn, meta: dict, target_fn):
     """The training input positioned after the batches ``meta`` says were consumed, and its
     first chunk; None when the input ended while skipping those batches.
 
     An iterator with ``get_state``/``set_state`` is restored to the saved state; otherwise a
     deterministic input_fn is fast-forwarded by the saved number of pulls.
     """
-    resume = est.config.resume_input_position
-    pipe = est._pipeline(input_fn, ModeKeys.TRAIN, pad=False)
+    resume = job.config.resume_input_position
+    pipe = job.feeder.pipeline(input_fn, ModeKeys.TRAIN, pad=False)
     skip = int(meta.get("input_pulls", 0)) if resume else 0
     saved = meta.get("input_state")
     if meta.get("input_states") is not None:  # a many-process run: this process's position
@@ -111,7 +133,7 @@ def _open_input(est, input_fn, meta: dict, target_fn):
         skip = 0
     begin = int(meta.get("global_step", 0))
     planned = [begin]
-    ipl = est.config.tpu_config.iterations_per_loop
+    ipl = job.config.tpu_config.iterations_per_loop
 
     def schedule() -> int:
         target = target_fn(begin)
@@ -119,7 +141,7 @@ def _open_input(est, input_fn, meta: dict, target_fn):
         planned[0] += max(n, 0)
         return n
 
-    prefetch = est._prefetch(pipe, schedule, fill=False, skip=skip)
+    prefetch = job.feeder.prefetch(pipe, schedule, fill=False, skip=skip)
     try:
         first = next(prefetch)
     except StopIteration:
@@ -134,50 +156,65 @@ def _open_input(est, input_fn, meta: dict, target_fn):
     return pipe, prefetch, first
 
 
-def _start(est, input_fn, batch_size, ckpts, latest, target_fn):
+class _Started(NamedTuple):
+    """A train call ready to loop: its state and input position, the first chunk."""
+
+    run: _Run
+    first: Chunk
+    prefetch: Prefetcher
+    model_batch: int  # rows model_fn sees per replica
+
+
+def _start(job: Job, input_fn, latest, target_fn, warm_start_from) -> _Started | None:
     """Builds the input stream and the state (restored, or fresh with scaffold/warm start)."""
     meta = latest[1] if latest else {}
-    opened = _open_input(est, input_fn, meta, target_fn)
+    opened = _open_input(job, input_fn, meta, target_fn)
     if opened is None:
         return None
     pipe, prefetch, first = opened
-    model_batch = jax.tree.leaves(first.features)[0].shape[1] // est.num_replicas
+    model_batch = jax.tree.leaves(first.features)[0].shape[1] // job.num_replicas
     try:
-        est._model.check_labels(pipe.has_labels)
-        restored = restore_train_state(est, ckpts, first, model_batch)
+        job.model.check_labels(pipe.has_labels)
+        restored = restore_train_state(job.programs, job.store, first, model_batch)
     except BaseException:
         prefetch.close()
         raise
     if restored is None:
-        state = fresh_train_state(est, first, model_batch, lambda: fresh_init_fn(est))
-        return state, {"input_pulls": 0}, first, prefetch, model_batch
+
+        def init_fn():  # after model_fn was traced: its scaffold_fn is known
+            return fresh_init_fn(job.programs.spec(ModeKeys.TRAIN), warm_start_from)
+
+        state = fresh_train_state(job.programs, first, model_batch, init_fn)
+        return _Started(_Run(state, _Position()), first, prefetch, model_batch)
     state, restored_meta = restored
     if restored_meta.get("global_step") != meta.get("global_step"):
         # The newest checkpoint was damaged and an older one restored: reposition the input.
         prefetch.close()
-        opened = _open_input(est, input_fn, restored_meta, target_fn)
+        opened = _open_input(job, input_fn, restored_meta, target_fn)
         if opened is None:
             return None
         pipe, prefetch, first = opened
-    position = {
-        "input_pulls": int(restored_meta.get("input_pulls", 0)),
-        "input_state": restored_meta.get("input_state"),
-    }
-    return state, position, first, prefetch, model_batch
+    position = _Position(int(restored_meta.get("input_pulls", 0)), restored_meta.get("input_state"))
+    return _Started(_Run(state, position), first, prefetch, model_batch)
 
 
-def _stop_hook_targets(user_hooks, start_step: int) -> list[int]:
-    """Last steps of the user's StopAtStepHooks, so the final loop lands on them exactly."""
+def _planned_last_steps(user_hooks, start_step: int) -> list[int]:
+    """Steps the user's hooks plan to stop at (``planned_last_step``), so the final loop
+    lands on them exactly."""
     out = []
     for hook in user_hooks or ():
-        if isinstance(hook, hooks_lib.StopAtStepHook):
-            num = getattr(hook, "_num_steps", None)
-            out.append(hook.last_step if hook.last_step is not None else start_step + num)
+        planned = getattr(hook, "planned_last_step", None)
+        step = planned(start_step) if callable(planned) else None
+        if step is not None:
+            out.append(int(step))
     return out
 
 
-def run_train_loops(est, input_fn, *, hooks, steps, max_steps) -> None:
-    ckpts = est._writer_checkpoints()
+def run_train_loops(
+    job: Job, input_fn, *, hooks, steps, max_steps, warm_start_from=None
+) -> TrainOutcome:
+    """Trains until ``steps`` more, ``max_steps`` in all, a hook's stop or the input's end."""
+    ckpts = job.store.writer()
     latest = ckpts.latest_meta()  # the newest step that looks intact
     start_step = latest[0] if latest else 0
     if max_steps is not None and start_step >= max_steps:
@@ -186,26 +223,25 @@ def run_train_loops(est, input_fn, *, hooks, steps, max_steps) -> None:
             start_step,
             max_steps,
         )
-        return
-    batch_size = est._global_batch(ModeKeys.TRAIN)
+        return TrainOutcome(start_step, trained=False)
 
     def target_fn(begin: int) -> int | None:
         """The step to stop at, for a run that starts (is restored) at ``begin``."""
         targets = [
             t for t in (max_steps, None if steps is None else begin + steps) if t is not None
-        ] + _stop_hook_targets(hooks, begin)
+        ] + _planned_last_steps(hooks, begin)
         return min(targets) if targets else None
 
     with PreemptionWatcher() as watcher:
-        started = _start(est, input_fn, batch_size, ckpts, latest, target_fn)
+        started = _start(job, input_fn, latest, target_fn, warm_start_from)
         if started is None:
-            return
-        _run(est, ckpts, started, hooks, target_fn, watcher)
+            return TrainOutcome(start_step, trained=False)
+        return _run(job, started, hooks, target_fn, watcher)
 
 
-def _check_loss_dtype(est) -> None:
+def _check_loss_dtype(spec) -> None:
     """An integer loss has no gradient: training would silently never move."""
-    dtype = getattr(est._holder[ModeKeys.TRAIN].loss, "dtype", None)
+    dtype = getattr(spec.loss, "dtype", None)
     if dtype is not None and not jax.numpy.issubdtype(dtype, jax.numpy.floating):
         raise TypeError(
             f"loss must be a floating-point scalar to be differentiated, "
@@ -213,49 +249,45 @@ def _check_loss_dtype(est) -> None:
         )
 
 
-def _run(est, ckpts, started, hooks, target_fn, watcher) -> None:
-    state, pulls, first, prefetch, model_batch = started
+def _run(job: Job, started: _Started, hooks, target_fn, watcher) -> TrainOutcome:
     try:
-        _check_loss_dtype(est)
+        _check_loss_dtype(job.programs.spec(ModeKeys.TRAIN))
     except TypeError:
-        prefetch.close()
+        started.prefetch.close()
         raise
-    step = int(jax.device_get(state.step))
-    global_batch = est._batch[ModeKeys.TRAIN] or model_batch
+    step = int(jax.device_get(started.run.state.step))
+    global_batch = job.feeder.layout(ModeKeys.TRAIN).global_rows or started.model_batch
     progress.log_startup_summary(
-        est,
+        job.mesh,
+        job.config,
         global_batch=global_batch,
-        replica_batch=model_batch,
-        params=state.params,
+        replica_batch=started.model_batch,
+        params=started.run.state.params,
         start_step=step,
         target=target_fn(step),
     )
     extra = []
-    if progress.progress_enabled(est.config.progress_bar):
+    if progress.progress_enabled(job.config.progress_bar):
         extra.append(progress.ProgressBarHook(start=step, total=target_fn(step)))
-    _train(
-        est, ckpts, state, pulls, first, prefetch, model_batch, list(hooks or ()) + extra, watcher
-    )
+    return _train(job, started, list(hooks or ()) + extra, watcher)
 
 
-def _train(
-    est, ckpts, state, position, first, prefetch: Prefetcher, model_batch, user_hooks, watcher
-):
-    cfg = est.config
-    writer = summary.writer_for(est.model_dir)
-    spec = est._holder[ModeKeys.TRAIN]
-    state_ref = [state]
-    saver = _Saver(est, ckpts, state_ref, position)
-    step = int(jax.device_get(state.step))
+def _train(job: Job, started: _Started, user_hooks, watcher) -> TrainOutcome:
+    cfg, run, prefetch = job.config, started.run, started.prefetch
+    ckpts = job.store.writer()
+    writer = summary.writer_for(job.model_dir)
+    spec = job.programs.spec(ModeKeys.TRAIN)
+    saver = _Saver(cfg, ckpts, run)
+    step = int(jax.device_get(run.state.step))
     saver.last_step = step if ckpts.steps() else None
-    global_batch = est._batch[ModeKeys.TRAIN] or model_batch
+    global_batch = job.feeder.layout(ModeKeys.TRAIN).global_rows or started.model_batch
     session = Session(
-        mode=ModeKeys.TRAIN, model_dir=est.model_dir, global_step=step, save=saver.save
+        mode=ModeKeys.TRAIN, model_dir=job.model_dir, global_step=step, save=saver.save
     )
     given = list(spec.training_hooks) + list(user_hooks or ())
-    all_hooks = _default_hooks(est, given) + given
+    all_hooks = _default_hooks(cfg, given) + given
     runner = HookRunner(all_hooks, session, examples_per_step=global_batch)
-    loop = est._loop(ModeKeys.TRAIN, model_batch)
+    loop = job.programs.train(started.model_batch)
     worker = HostWorker()
     every_n = cfg.tpu_config.host_call_every_n_steps
     clock = [time.monotonic()]
@@ -264,26 +296,26 @@ def _train(
     )
     runner.begin()
     runner.after_create_session()
-    chunk, preempted = first, False
-    est._live = None  # the state is donated to the loop from here on
-    est._stopped_by_hook = False
+    chunk, preempted, stopped = started.first, False, False
+    job.store.forget()  # the state is donated to the loop from here on
     try:
         while chunk is not None:
             steps = np.arange(step + 1, step + chunk.steps + 1)
             runner.before_run(steps)
-            state, (losses, host) = loop(state_ref[0], chunk.features, chunk.labels)
-            state_ref[0] = state
+            run.state, (losses, host) = loop(run.state, chunk.features, chunk.labels)
             losses, host = multihost.to_host((losses, host))  # global rows on every process
             step += chunk.steps
-            position["input_pulls"] += chunk.pulls
-            position["input_state"] = chunk.input_state
+            run.position.input_pulls += chunk.pulls
+            run.position.input_state = chunk.input_state
             session.global_step = step
-            host_call = est._holder[ModeKeys.TRAIN].host_call
+            host_call = spec.host_call
             if host_call is not None and multihost.is_process_0():  # once, on process 0
                 worker.submit(
                     lambda f=host_call[0], h=host, s=steps: run_host_calls(f, h, s, every_n, writer)
                 )
-            nonfinite = int(jax.device_get(state.nonfinite)) if cfg.skip_nonfinite_steps else None
+            nonfinite = (
+                int(jax.device_get(run.state.nonfinite)) if cfg.skip_nonfinite_steps else None
+            )
             summaries.after_loop(losses, steps, nonfinite)
             _log_loss(cfg.log_step_count_steps, losses, steps, clock)
             values = {"loss": losses, "global_step": steps}
@@ -294,7 +326,7 @@ def _train(
             saver.maybe_save(step)
             stop, preempted = multihost.any_of(stop, watcher.requested)  # all stop together
             if stop:
-                est._stopped_by_hook = True
+                stopped = True
                 break
             if preempted:  # SIGTERM: checkpoint this step below, then exit
                 break
@@ -302,13 +334,14 @@ def _train(
         runner.end()
         multihost.check_worker(worker, "host_call", join=True)
         saver.save(step)
-        est._live = (step, state_ref[0], saver.meta(step))
+        job.store.remember(LastState(step, run.state, saver.meta(step)))
         log.info("Loss for final step: %s.", float(losses[-1]))
     finally:
         prefetch.close()
         worker.close()
         ckpts.wait()
         # Closing (not flush) waits for tensorboardX's queue: summaries are on disk on return.
-        summary.close(est.model_dir)
+        summary.close(job.model_dir)
     if preempted:  # the checkpoint of ``step`` is on disk: exit as TF's handler did
         raise Preempted(step, ckpts.path(step))
+    return TrainOutcome(step, stopped_by_hook=stopped)

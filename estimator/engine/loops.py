@@ -40,14 +40,12 @@ class TrainState(NamedTuple):
     nonfinite: jax.Array  # int32 count of skipped non-finite steps
 
 
-class Batch(NamedTuple):
-    features: Any
-    labels: Any
-    mask: Any  # float32 [n, global_batch]: 1 for real rows, 0 for padding
-
-
 class SpecHolder(dict):
-    """Keeps the static parts of the spec model_fn returned while a loop was traced."""
+    """The spec model_fn returned, per mode, recorded while a loop was traced.
+
+    It holds the whole spec (traced values included): read its static parts (train_op,
+    host_call and metric functions, hooks, scaffold_fn, dtypes), never its traced values.
+    """
 
 
 def host_tensors(value: Any) -> Any:

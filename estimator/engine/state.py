@@ -3,22 +3,23 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..data.inputs import Chunk
 from ..errors import NoCheckpointError
 from ..io import checkpoint as ckpt_lib
+from ..io.store import StateStore
 from ..parallel import partitioning
 from ..runtime import seed_key_data
 from ..spec import ModeKeys
 from .loops import TrainState
+from .programs import Programs
 
 log = logging.getLogger("estimator")
 
@@ -28,22 +29,22 @@ def first_batch(chunk: Chunk) -> tuple[Any, Any]:
     return jax.tree.map(lambda x: x[0], (chunk.features, chunk.labels))
 
 
-def _replicated(est, tree: Any) -> Any:
-    sharding = NamedSharding(est.mesh, P())
+def _replicated(mesh: Mesh, tree: Any) -> Any:
+    sharding = NamedSharding(mesh, P())
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
-def _place(est, tree: Any) -> Any:
-    return jax.device_put(tree, NamedSharding(est.mesh, P()))
+def _place(mesh: Mesh, tree: Any) -> Any:
+    return jax.device_put(tree, NamedSharding(mesh, P()))
 
 
-def _init_args(est, chunk: Chunk):
-    rng = seed_key_data(est.config.tf_random_seed)
+def _init_args(programs: Programs, chunk: Chunk):
+    rng = seed_key_data(programs.config.tf_random_seed)
     features, labels = first_batch(chunk)
     return rng, jnp.int32(0), features, labels
 
 
-def _trace(est, mode: str, chunk: Chunk, fn, *args):
+def _trace(programs: Programs, mode: str, chunk: Chunk, fn, *args):
     """Calls ``fn`` (which traces model_fn); a failure with ``labels=None`` in TRAIN/EVAL is
     re-raised naming the likely culprit: an input_fn that returned no labels."""
     try:
@@ -51,7 +52,7 @@ def _trace(est, mode: str, chunk: Chunk, fn, *args):
     except Exception as e:
         if chunk.labels is not None or mode == ModeKeys.PREDICT:
             raise
-        if "labels" not in est._model.arg_names:
+        if "labels" not in programs.model.arg_names:
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ValueError(
@@ -61,22 +62,23 @@ def _trace(est, mode: str, chunk: Chunk, fn, *args):
         ) from e
 
 
-def _sharded(est, boxed: dict) -> tuple[dict, Any]:
-    """Unboxes Flax partitioning metadata; returns (variables, NamedShardings) and keeps the
-    PartitionSpecs on the estimator for the loops (``nn.with_partitioning`` over "model")."""
+def _sharded(programs: Programs, boxed: dict) -> tuple[dict, Any]:
+    """Unboxes Flax partitioning metadata; returns (variables, NamedShardings) and records
+    the PartitionSpecs for the loops (``nn.with_partitioning`` over "model")."""
     specs = partitioning.param_specs(boxed)
-    est._var_specs = specs
+    programs.var_specs = specs
     shardings = jax.tree.map(
-        lambda spec: NamedSharding(est.mesh, spec), specs, is_leaf=lambda x: isinstance(x, P)
+        lambda spec: NamedSharding(programs.mesh, spec), specs, is_leaf=lambda x: isinstance(x, P)
     )
     return partitioning.unbox(boxed), shardings
 
 
-def abstract_variables(est, mode: str, chunk: Chunk, batch_size: int) -> dict:
+def abstract_variables(programs: Programs, mode: str, chunk: Chunk, batch_size: int) -> dict:
     """Shapes of every variable, by tracing model_fn in ``mode`` (nothing is computed)."""
-    init = est._loop(f"init_{mode}", batch_size)
+    init = programs.init(mode, batch_size)
     variables, shardings = _sharded(
-        est, _trace(est, mode, chunk, jax.eval_shape, init, *_init_args(est, chunk))
+        programs,
+        _trace(programs, mode, chunk, jax.eval_shape, init, *_init_args(programs, chunk)),
     )
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), variables, shardings
@@ -89,8 +91,8 @@ def _split(variables: dict) -> tuple[Any, dict]:
     return params, variables
 
 
-def _train_extras(est, params: Any) -> dict:
-    tx = est._holder[ModeKeys.TRAIN].train_op
+def _train_extras(programs: Programs, params: Any) -> dict:
+    tx = programs.spec(ModeKeys.TRAIN).train_op
     return {
         "opt_state": jax.eval_shape(tx.init, params),
         "step": jax.ShapeDtypeStruct((), jnp.int32),
@@ -117,46 +119,49 @@ def train_state_parts(state: TrainState) -> tuple[dict, dict]:
     return variables, train
 
 
-def fresh_train_state(est, chunk: Chunk, batch_size: int, make_init_fn=None) -> TrainState:
+def fresh_train_state(
+    programs: Programs, chunk: Chunk, batch_size: int, make_init_fn=None
+) -> TrainState:
     """Initialises every variable and the optimizer; ``make_init_fn()`` (called after
     model_fn was traced, so the spec's scaffold_fn is known) may then replace variables."""
-    init = est._loop("init_train", batch_size)
-    args = _init_args(est, chunk)
-    variables, shardings = _sharded(est, _trace(est, ModeKeys.TRAIN, chunk, init, *args))
+    init = programs.init(ModeKeys.TRAIN, batch_size)
+    args = _init_args(programs, chunk)
+    variables, shardings = _sharded(programs, _trace(programs, ModeKeys.TRAIN, chunk, init, *args))
     variables = jax.device_put(variables, shardings)
     init_fn = make_init_fn() if make_init_fn is not None else None
     if init_fn is not None:
         variables = jax.device_put(init_fn(jax.device_get(variables)), shardings)
     params, _ = _split(variables)
-    tx = est._holder[ModeKeys.TRAIN].train_op
+    tx = programs.spec(ModeKeys.TRAIN).train_op
     opt_state = jax.jit(tx.init)(params)  # slots take their parameter's sharding
     # Scalars such as Adam's count come back on one device: put them on the mesh, or the
     # second loop call would see a new input sharding and compile again.
-    replicated = NamedSharding(est.mesh, P())
+    replicated = NamedSharding(programs.mesh, P())
     opt_state = jax.tree.map(
         lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated),
         opt_state,
     )
     train = {
         "opt_state": opt_state,
-        **_place(est, {"step": jnp.int32(0), "rng": args[0], "nonfinite": jnp.int32(0)}),
+        **_place(programs.mesh, {"step": jnp.int32(0), "rng": args[0], "nonfinite": jnp.int32(0)}),
     }
     return to_train_state(variables, train)
 
 
 def restore_train_state(
-    est, ckpts: ckpt_lib.Checkpoints, chunk: Chunk, batch_size: int
+    programs: Programs, store: StateStore, chunk: Chunk, batch_size: int
 ) -> tuple[TrainState, dict] | None:
     """The newest readable checkpoint as a TrainState, with its meta; None if there is none."""
+    ckpts = store.writer()
     steps = ckpts.steps()
     if not steps:
         return None
-    live = est._live
-    if live is not None and live[0] == steps[-1]:  # what the last train() left: no reload
-        return live[1], live[2]
-    variables = abstract_variables(est, ModeKeys.TRAIN, chunk, batch_size)
+    last = store.last
+    if last is not None and last.step == steps[-1]:  # what the last train() left: no reload
+        return last.state, last.meta
+    variables = abstract_variables(programs, ModeKeys.TRAIN, chunk, batch_size)
     params, _ = _split(variables)
-    train = _replicated(est, _train_extras(est, params))
+    train = _replicated(programs.mesh, _train_extras(programs, params))
     got = ckpts.restore_latest(variables=variables, train=train, quarantine=True)
     if got is None:
         return None
@@ -166,24 +171,28 @@ def restore_train_state(
 
 
 def restore_variables(
-    est, mode: str, chunk: Chunk, batch_size: int, checkpoint_path: str | None
+    programs: Programs,
+    store: StateStore,
+    mode: str,
+    chunk: Chunk,
+    batch_size: int,
+    checkpoint_path: str | None,
 ) -> tuple[dict, int]:
     """Variables for evaluate/predict from ``checkpoint_path`` or the latest checkpoint.
 
     Raises:
       NoCheckpointError: no checkpoint exists (TF: "Could not find trained model").
     """
-    model_dir, step = ckpt_lib.resolve_path(checkpoint_path, est.model_dir)
-    ckpts = est._reader_checkpoints(model_dir)
-    live = est._live
-    same_dir = os.path.abspath(model_dir) == os.path.abspath(est.model_dir)
-    if live is not None and same_dir and step in (None, live[0]):
-        if ckpts.steps()[-1:] == [live[0]]:  # the latest checkpoint is what we hold
-            if mode not in est._holder:  # trace model_fn once so its spec is known
-                abstract_variables(est, mode, chunk, batch_size)
-            variables, _ = train_state_parts(live[1])
-            return variables, live[0]
-    template = abstract_variables(est, mode, chunk, batch_size)
+    model_dir, step = ckpt_lib.resolve_path(checkpoint_path, store.model_dir)
+    ckpts = store.reader(model_dir)
+    last = store.last
+    if last is not None and store.owns(model_dir) and step in (None, last.step):
+        if ckpts.steps()[-1:] == [last.step]:  # the latest checkpoint is what we hold
+            if not programs.traced(mode):  # trace model_fn once so its spec is known
+                abstract_variables(programs, mode, chunk, batch_size)
+            variables, _ = train_state_parts(last.state)
+            return variables, last.step
+    template = abstract_variables(programs, mode, chunk, batch_size)
     got = ckpts.restore_latest(variables=template, step=step)
     if got is None:
         raise NoCheckpointError(f"Could not find trained model in model_dir: {model_dir}")

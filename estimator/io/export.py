@@ -49,12 +49,14 @@ from jax.sharding import PartitionSpec as P
 
 from ..data.inputs import Chunk
 from ..engine.model import step_rngs
+from ..engine.programs import Programs
 from ..engine.state import restore_variables
 from ..parallel.mesh import DATA, single_device_mesh
 from ..parallel.outside_compilation import forbid_host_calls
 from ..runtime import seed_key_data
 from ..spec import ModeKeys
 from .inference import rewrite_for_inference, validate_inference_rewrite_for_variables
+from .store import StateStore
 
 COMPUTATION_FILE = "saved_model.jax"
 VARIABLES_FILE = os.path.join("variables", "variables.npz")
@@ -120,13 +122,17 @@ def _symbolic(specs: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- the computation
-def _restore(est, specs: Any, checkpoint_path: str | None) -> tuple[dict, int]:
+def _restore(
+    programs: Programs, store: StateStore, specs: Any, checkpoint_path: str | None
+) -> tuple[dict, int]:
     """The checkpoint's variables (host numpy) and global step, shaped by a 1-row trace."""
 
-    rows = est.num_replicas
+    rows = programs.mesh.shape[DATA]
     zeros = jax.tree.map(lambda s: np.zeros((1, rows, *s.shape[1:]), s.dtype), specs)
     chunk = Chunk(features=zeros, labels=None, mask=None, host_mask=None, steps=1, pulls=0)
-    variables, step = restore_variables(est, ModeKeys.PREDICT, chunk, 1, checkpoint_path)
+    variables, step = restore_variables(
+        programs, store, ModeKeys.PREDICT, chunk, 1, checkpoint_path
+    )
     return jax.tree.map(np.asarray, jax.device_get(variables)), step
 
 
@@ -153,15 +159,15 @@ def _select_outputs(spec: Any) -> dict:
     return out
 
 
-def _predict_fn(est, global_step: int) -> Callable:
+def _predict_fn(programs: Programs, global_step: int) -> Callable:
     """``(variables, features) -> {name: array}``: model_fn in PREDICT mode on one device."""
 
-    key = jax.random.wrap_key_data(seed_key_data(est.config.tf_random_seed))
+    key = jax.random.wrap_key_data(seed_key_data(programs.config.tf_random_seed))
 
     def predict(variables, features):
         batch = jax.tree.leaves(features)[0].shape[0]
         step = jnp.int32(global_step)
-        spec, _ = est._model.apply(
+        spec, _ = programs.model.apply(
             variables,
             features,
             None,
@@ -195,10 +201,16 @@ def _flat_names(variables: dict) -> list[str]:
 
 
 def _export(
-    est, specs: Any, variables: dict, global_step: int, *, fold_variables: bool, platforms
+    programs: Programs,
+    specs: Any,
+    variables: dict,
+    global_step: int,
+    *,
+    fold_variables: bool,
+    platforms,
 ) -> tuple[jax.export.Exported, list | None]:
 
-    predict = _predict_fn(est, global_step)
+    predict = _predict_fn(programs, global_step)
     sym = _symbolic(specs)
     kwargs = {"platforms": tuple(platforms)} if platforms else {}
     reason = "cannot be exported: host callbacks are not serializable by jax.export"
@@ -304,7 +316,8 @@ def _write(base: str, exported, leaves: list | None, names: list[str], signature
 
 
 def export_saved_model(
-    est,
+    programs: Programs,
+    store: StateStore,
     export_dir_base: str,
     serving_input_receiver_fn: Callable,
     checkpoint_path: str | None = None,
@@ -315,7 +328,8 @@ def export_saved_model(
     """Writes the PREDICT computation, its variables and its signature; returns the directory.
 
     Args:
-      est: the ``TPUEstimator``.
+      programs: the estimator's compiled programs (its model_fn and config).
+      store: the estimator's checkpoints.
       export_dir_base: the timestamped export directory is made inside it.
       serving_input_receiver_fn: ``() -> features`` as shapes (see the module doc).
       checkpoint_path: a checkpoint to export (default: the latest in ``model_dir``).
@@ -333,9 +347,9 @@ def export_saved_model(
             f"serving_input_receiver_fn must be callable, got {serving_input_receiver_fn!r}"
         )
     specs = _feature_specs(serving_input_receiver_fn())
-    variables, step = _restore(est, specs, checkpoint_path)
+    variables, step = _restore(programs, store, specs, checkpoint_path)
     exported, leaves = _export(
-        est, specs, variables, step, fold_variables=fold_variables, platforms=platforms
+        programs, specs, variables, step, fold_variables=fold_variables, platforms=platforms
     )
     signature = _signature(exported, specs, variables, step, fold_variables)
     if jax.process_index() != 0:

@@ -133,3 +133,17 @@ def test_import_leaves_models_out_and_logging_unconfigured():
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
     )
     assert out.stdout.split() == ["False", "0", "True", "0"]
+
+
+def test_only_the_facade_touches_the_estimators_private_members():
+    """Drivers take typed collaborators (``driver.job.Job``), never the estimator."""
+    import re
+
+    offenders = []
+    for path in PKG.rglob("*.py"):
+        if path.name == "tpu_estimator.py":
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\b(est|estimator)\._[a-z]", line) and "estimator._compat" not in line:
+                offenders.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert offenders == []

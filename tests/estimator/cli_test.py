@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from estimator.cli import main as cli
+from estimator.cli import app as cli
 
 
 def _console_script() -> list[str]:

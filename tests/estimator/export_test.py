@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import estimator
-from estimator.cli import main as cli
+from estimator.cli import app as cli
 from estimator.io.export import build_raw_serving_input_receiver_fn, load_saved_model
 from estimator.parallel.outside_compilation import outside_compilation
 from tests import helpers as h

@@ -20,7 +20,7 @@ import pytest
 
 import estimator
 import models
-from estimator.cli import main as cli
+from estimator.cli import app as cli
 from estimator.cluster import launch
 from estimator.cluster.cluster import ClusterConfigError, TPUClusterResolver, parse_tf_config
 from estimator.io import checkpoint as ckpt_lib

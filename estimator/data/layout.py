@@ -1,0 +1,142 @@
+"""How one mode's global batch maps onto processes, replicas and input_fn pulls.
+
+Every branch on ``InputPipelineConfig`` lives here:
+
+* ``PER_HOST_V1``: input_fn is called once per process and yields this process's rows;
+* ``PER_HOST_V2`` (and ``PER_SHARD_V1``): the iterator is pulled once per local replica per
+  step, each pull one replica's rows;
+* ``BROADCAST``: one pull is the whole global batch, and every replica gets all of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ..config import InputPipelineConfig
+from ..errors import EstimatorTypeError, EstimatorValueError
+
+_BATCH_FIELDS = {
+    "train": "train_batch_size",
+    "eval": "eval_batch_size",
+    "infer": "predict_batch_size",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchLayout:
+    """The batch arithmetic of one mode.
+
+    Attributes:
+      mode: the ``ModeKeys`` value.
+      global_rows: the global batch size; None with ``use_tpu=False`` when it was not given
+        (then the first batch decides).
+      replicas: replicas in the mesh.
+      local_replicas: the replicas this process feeds.
+      processes: processes in the job.
+      pipeline: the ``InputPipelineConfig``.
+      required: whether the batch size must be given (``use_tpu=True``).
+
+    Example:
+      >>> layout = BatchLayout("train", 128, replicas=8, local_replicas=8, processes=1,
+      ...                      pipeline=InputPipelineConfig.PER_HOST_V2)
+      >>> layout.input_batch_size, layout.pulls_per_step, layout.rows_per_pull
+      (16, 8, 16)
+    """
+
+    mode: str
+    global_rows: int | None
+    replicas: int
+    local_replicas: int
+    processes: int
+    pipeline: int
+    required: bool = False
+
+    @property
+    def field(self) -> str:
+        """The estimator argument that sets this batch size (for messages)."""
+        return _BATCH_FIELDS[self.mode]
+
+    @property
+    def broadcast(self) -> bool:
+        return self.pipeline == InputPipelineConfig.BROADCAST
+
+    @property
+    def per_replica_pulls(self) -> bool:
+        return self.pipeline in (InputPipelineConfig.PER_HOST_V2, InputPipelineConfig.PER_SHARD_V1)
+
+    @property
+    def input_batch_size(self) -> int | None:
+        """``params["batch_size"]`` for input_fn: per replica, global, or per process."""
+        if self.global_rows is None:
+            return None
+        if self.per_replica_pulls:
+            return self.global_rows // self.replicas
+        if self.broadcast:
+            return self.global_rows
+        return self.global_rows // self.processes
+
+    @property
+    def process_rows(self) -> int | None:
+        """Rows this process's input contributes to one step (before broadcast copies)."""
+        if self.global_rows is None or self.broadcast:
+            return self.global_rows
+        return self.global_rows * self.local_replicas // self.replicas
+
+    @property
+    def pulls_per_step(self) -> int:
+        return self.local_replicas if self.per_replica_pulls else 1
+
+    @property
+    def rows_per_pull(self) -> int | None:
+        rows = self.process_rows
+        if rows is None or not self.per_replica_pulls:
+            return rows
+        return rows // self.local_replicas
+
+    @property
+    def copies(self) -> int:
+        """How many replicas see each input row (all of them in BROADCAST)."""
+        return self.local_replicas if self.broadcast else 1
+
+    def check_given(self) -> None:
+        """Raises EstimatorValueError when the batch size is required but was not given."""
+        if self.required and self.global_rows is None:
+            raise EstimatorValueError(
+                f"{self.field} must be set to run {self.mode} with use_tpu=True"
+            )
+
+    def count_once(self, host_mask: np.ndarray) -> np.ndarray:
+        """The ``[steps, rows]`` mask with BROADCAST's copies dropped (replica 0's kept)."""
+        if not self.broadcast:
+            return host_mask
+        keep = np.zeros_like(host_mask)
+        per_replica = host_mask.shape[1] // self.replicas
+        keep[:, :per_replica] = host_mask[:, :per_replica]
+        return keep
+
+
+def check_batch_size(
+    field: str, value: object, *, required: bool, replicas: int, pipeline: int
+) -> int | None:
+    """Validates one of the estimator's ``*_batch_size`` arguments.
+
+    Raises:
+      EstimatorValueError: missing where required, not positive, or not divisible by the
+        number of replicas (except in BROADCAST).
+      EstimatorTypeError: not an int.
+    """
+    if value is None:
+        if required:
+            raise EstimatorValueError(f"{field} must be set when use_tpu=True")
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise EstimatorTypeError(f"{field} must be an int, got {type(value).__name__}")
+    if value <= 0:
+        raise EstimatorValueError(f"{field} must be positive, got {value}")
+    if pipeline != InputPipelineConfig.BROADCAST and value % replicas:
+        raise EstimatorValueError(
+            f"{field}={value} is not divisible by the number of replicas ({replicas})"
+        )
+    return int(value)
