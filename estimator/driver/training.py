@@ -32,6 +32,7 @@ from .hook_runner import HookRunner, Session
 from .host import HostWorker, run_host_calls
 from .job import Job, TrainOutcome
 from .preemption import Preempted, PreemptionWatcher
+from .train_hooks import LossLoggingHook, TrainSummaryHook
 
 log = logging.getLogger("estimator")
 
@@ -94,25 +95,27 @@ class _Saver:
             self.save(step)
 
 
-def _default_hooks(config: RunConfig, given=()) -> list:
-    """NanTensorHook (unless non-finite steps are skipped, or the user passed their own
-    NanTensorHook, e.g. ``fail_on_nan_loss=False``) and the step counter."""
+def _default_hooks(config: RunConfig, given, *, writer, examples_per_step: int) -> list:
+    """The training summaries and the loss log line, NanTensorHook (unless non-finite steps
+    are skipped, or the user passed their own NanTensorHook, e.g. ``fail_on_nan_loss=False``)
+    and the step counter."""
     every = config.log_step_count_steps or 0
+    out = [
+        TrainSummaryHook(
+            writer,
+            every=config.save_summary_steps,
+            examples_per_step=examples_per_step,
+            nonfinite=config.skip_nonfinite_steps,
+        )
+    ]
+    if every:
+        out.append(LossLoggingHook(every))
     own_nan = any(isinstance(h, hooks_lib.NanTensorHook) for h in given)
-    out = [] if config.skip_nonfinite_steps or own_nan else [hooks_lib.NanTensorHook("loss")]
+    if not (config.skip_nonfinite_steps or own_nan):
+        out.append(hooks_lib.NanTensorHook("loss"))
     if every:  # logs speed; the summaries come every save_summary_steps (TrainSummaries)
         out.append(hooks_lib.StepCounterHook(every_n_steps=every))
     return out
-
-
-def _log_loss(every: int, losses: np.ndarray, steps: np.ndarray, clock: list) -> None:
-    if not every or not any(s % every == 0 for s in steps):
-        return
-    now = time.monotonic()
-    log.info(
-        "loss = %s, step = %d (%.3f sec)", float(np.mean(losses)), int(steps[-1]), now - clock[0]
-    )
-    clock[0] = now
 
 
 def _open_input(job: Job, input_fn, meta: dict, target_fn):
@@ -272,6 +275,17 @@ def _run(job: Job, started: _Started, hooks, target_fn, watcher) -> TrainOutcome
     return _train(job, started, list(hooks or ()) + extra, watcher)
 
 
+def _loop_values(config: RunConfig, state: TrainState, losses, steps, host) -> dict:
+    """What hooks can fetch after a loop: per-step loss, global step and named host_call
+    tensors (and the count of skipped non-finite steps when they are skipped)."""
+    values = {"loss": losses, "global_step": steps}
+    if config.skip_nonfinite_steps:
+        values[TrainSummaryHook.NONFINITE] = np.array([int(jax.device_get(state.nonfinite))])
+    if isinstance(host, dict):
+        values.update(host)
+    return values
+
+
 def _train(job: Job, started: _Started, user_hooks, watcher) -> TrainOutcome:
     cfg, run, prefetch = job.config, started.run, started.prefetch
     ckpts = job.store.writer()
@@ -285,15 +299,12 @@ def _train(job: Job, started: _Started, user_hooks, watcher) -> TrainOutcome:
         mode=ModeKeys.TRAIN, model_dir=job.model_dir, global_step=step, save=saver.save
     )
     given = list(spec.training_hooks) + list(user_hooks or ())
-    all_hooks = _default_hooks(cfg, given) + given
+    defaults = _default_hooks(cfg, given, writer=writer, examples_per_step=global_batch)
+    all_hooks = defaults + given
     runner = HookRunner(all_hooks, session, examples_per_step=global_batch)
     loop = job.programs.train(started.model_batch)
     worker = HostWorker()
     every_n = cfg.tpu_config.host_call_every_n_steps
-    clock = [time.monotonic()]
-    summaries = summary.TrainSummaries(
-        writer, every=cfg.save_summary_steps, examples_per_step=global_batch
-    )
     runner.begin()
     runner.after_create_session()
     chunk, preempted, stopped = started.first, False, False
@@ -313,15 +324,7 @@ def _train(job: Job, started: _Started, user_hooks, watcher) -> TrainOutcome:
                 worker.submit(
                     lambda f=host_call[0], h=host, s=steps: run_host_calls(f, h, s, every_n, writer)
                 )
-            nonfinite = (
-                int(jax.device_get(run.state.nonfinite)) if cfg.skip_nonfinite_steps else None
-            )
-            summaries.after_loop(losses, steps, nonfinite)
-            _log_loss(cfg.log_step_count_steps, losses, steps, clock)
-            values = {"loss": losses, "global_step": steps}
-            if isinstance(host, dict):
-                values.update(host)
-            stop = runner.after_run(values, steps)
+            stop = runner.after_run(_loop_values(cfg, run.state, losses, steps, host), steps)
             multihost.check_worker(worker, "host_call")
             saver.maybe_save(step)
             stop, preempted = multihost.any_of(stop, watcher.requested)  # all stop together
