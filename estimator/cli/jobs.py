@@ -126,6 +126,6 @@ def export_from_config(est, config: Any, export_dir_base: str) -> str:
     )
     features, _ = split_element(next(iter(it)))
     fn = export_lib.build_raw_serving_input_receiver_fn(features)
-    return export_lib.export_saved_model(
-        est, export_dir_base, fn, fold_variables=bool(config.get("export_fold_variables", False))
+    return est.export_saved_model(
+        export_dir_base, fn, fold_variables=bool(config.get("export_fold_variables", False))
     )
