@@ -21,11 +21,11 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import numpy as np
 
 from .driver.host import check_no_traced_values, traced_value_guard
 from .io.checkpoint import read_variables
+from .io.variables import flatten, unflatten_into
 
 log = logging.getLogger("estimator")
 
@@ -53,31 +53,6 @@ class WarmStartSettings:
 
     ckpt_to_initialize_from: str
     vars_to_warm_start: str = ".*"
-
-
-def flatten(variables: dict) -> dict[str, Any]:
-    """``{name: array}`` with params unprefixed and other collections prefixed."""
-    out = {}
-    for collection, tree in variables.items():
-        prefix = "" if collection == "params" else f"{collection}/"
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            out[prefix + "/".join(str(getattr(k, "key", k)) for k in path)] = leaf
-    return out
-
-
-def unflatten_into(variables: dict, values: dict[str, Any]) -> dict:
-    """``variables`` with the named leaves replaced."""
-
-    def replace(collection, tree):
-        prefix = "" if collection == "params" else f"{collection}/"
-
-        def one(path, leaf):
-            name = prefix + "/".join(str(getattr(k, "key", k)) for k in path)
-            return values.get(name, leaf)
-
-        return jax.tree_util.tree_map_with_path(one, tree)
-
-    return {c: replace(c, t) for c, t in variables.items()}
 
 
 def _restore_matching(

@@ -33,6 +33,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from ..errors import CheckpointError, CheckpointMismatchError, NoCheckpointError
+from . import variables as variables_lib
 
 log = logging.getLogger("estimator")
 
@@ -54,18 +55,14 @@ def _short(error: BaseException) -> str:
     return text if len(text) <= 400 else text[:400] + "..."
 
 
-def _key(k: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
-
-
-def _shapes(tree: Any) -> dict[str, tuple]:
-    """``name -> shape`` of every array leaf, named like Orbax names them (``a/b/0/c``)."""
+def _shapes(tree: Any, item: str) -> dict[str, tuple]:
+    """``name -> shape`` of every array leaf: variables by their public names (see
+    ``io/variables.py``), the rest by path (``opt_state/0/mu/dense/kernel``)."""
+    if item == "variables":
+        return variables_lib.shapes(tree)
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     return {
-        "/".join(_key(k) for k in path): tuple(getattr(x, "shape", ()))
+        variables_lib.path_name(path): tuple(getattr(x, "shape", ()))
         for path, x in leaves
         if x is not None
     }
@@ -75,12 +72,13 @@ def describe_mismatch(saved: dict[str, tuple], wanted: dict[str, tuple], item: s
     """Every difference between a checkpoint's arrays and the model's, one line each."""
     out = []
     for name in sorted(set(saved) | set(wanted)):
+        label = name if item == "variables" else f"{item}/{name}"  # variables: public names
         if name not in wanted:
-            out.append(f"{item}/{name}: in the checkpoint, not in the model")
+            out.append(f"{label}: in the checkpoint, not in the model")
         elif name not in saved:
-            out.append(f"{item}/{name}: in the model {wanted[name]}, not in the checkpoint")
+            out.append(f"{label}: in the model {wanted[name]}, not in the checkpoint")
         elif tuple(saved[name]) != tuple(wanted[name]):
-            out.append(f"{item}/{name}: checkpoint shape {saved[name]}, model shape {wanted[name]}")
+            out.append(f"{label}: checkpoint shape {saved[name]}, model shape {wanted[name]}")
     return out
 
 
@@ -204,14 +202,16 @@ class Checkpoints:
             raise CheckpointError(
                 f"checkpoint {self.path(step)}: {item} metadata is unreadable ({_short(e)})"
             ) from e
-        return _shapes(tree)
+        return _shapes(tree, item)
 
     def check_matches(self, step: int, *, variables: Any, train: Any = None) -> None:
         """Raises CheckpointMismatchError when the step holds another model's arrays."""
         problems = []
         pairs = [("variables", variables)] + ([("train", train)] if train is not None else [])
         for item, template in pairs:
-            problems += describe_mismatch(self._saved_shapes(step, item), _shapes(template), item)
+            problems += describe_mismatch(
+                self._saved_shapes(step, item), _shapes(template, item), item
+            )
         if problems:
             listed = "; ".join(problems[:_MAX_LISTED])
             more = (
@@ -367,17 +367,6 @@ def resolve_path(checkpoint_path: str | None, model_dir: str) -> tuple[str, int 
     )
 
 
-def _flat_names(tree: Any, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_flat_names(value, name + "/"))
-        else:
-            out[name] = value
-    return out
-
-
 def read_variables(path: str) -> dict[str, Any]:
     """Every saved variable of one checkpoint as ``name -> numpy array``.
 
@@ -394,8 +383,6 @@ def read_variables(path: str) -> dict[str, Any]:
     if got is None:
         raise NoCheckpointError(f"No checkpoint found in {model_dir}")
     step, out = got
-    variables = jax.device_get(dict(out["variables"]))
-    names = _flat_names(variables.pop("params", {}))
-    names.update(_flat_names(variables))
+    names = variables_lib.flatten(jax.device_get(dict(out["variables"])))
     names["global_step"] = out["meta"]["global_step"]
     return names

@@ -19,9 +19,9 @@ What is written: ``<export_dir_base>/<seconds since epoch>/`` (unique, written u
 
 * ``saved_model.jax``: the PREDICT computation for one device, serialized by ``jax.export``
   (StableHLO; runs wherever a compatible jaxlib does, on the export's ``platforms``);
-* ``variables/variables.npz``: the variables by name (``params/dense/kernel``,
-  ``batch_stats/...``), unless ``fold_variables=True`` folded them into the program as constants
-  (``rewrite_for_inference``);
+* ``variables/variables.npz``: the variables by name (``dense/kernel``, ``batch_stats/...``,
+  as ``get_variable_names`` names them), unless ``fold_variables=True`` folded them into the
+  program as constants (``rewrite_for_inference``);
 * ``signature.json``: input and output names, shapes (``"b"`` for the batch) and dtypes, the
   global step, how variables are stored, platforms and versions.
 
@@ -55,12 +55,14 @@ from ..parallel.mesh import DATA, single_device_mesh
 from ..parallel.outside_compilation import forbid_host_calls
 from ..runtime import seed_key_data
 from ..spec import ModeKeys
+from . import variables as variables_lib
 from .inference import rewrite_for_inference, validate_inference_rewrite_for_variables
 from .store import StateStore
 
 COMPUTATION_FILE = "saved_model.jax"
 VARIABLES_FILE = os.path.join("variables", "variables.npz")
 SIGNATURE_FILE = "signature.json"
+SIGNATURE_VERSION = 2
 BATCH = "b"
 _SINGLE_INPUT, _SINGLE_OUTPUT = "features", "output"
 _CANONICAL = {
@@ -195,11 +197,6 @@ def _predict_fn(programs: Programs, global_step: int) -> Callable:
     )
 
 
-def _flat_names(variables: dict) -> list[str]:
-    paths = jax.tree_util.tree_flatten_with_path(variables)[0]
-    return ["/".join(str(getattr(k, "key", k)) for k in path) for path, _ in paths]
-
-
 def _export(
     programs: Programs,
     specs: Any,
@@ -241,11 +238,15 @@ def _signature(exported, specs, variables, global_step, fold_variables) -> dict:
     outs = jax.tree.unflatten(exported.out_tree, exported.out_avals)
     described = [
         {"name": n, **_describe(v)}
-        for n, v in zip(_flat_names(variables), jax.tree.leaves(variables), strict=True)
+        for n, v in zip(variables_lib.names(variables), jax.tree.leaves(variables), strict=True)
     ]
     inputs = specs if isinstance(specs, Mapping) else {_SINGLE_INPUT: specs}
     return {
         "format": "tpu-estimator/jax.export",
+        # 2: variables named as everywhere else (io/variables.py: ``dense/kernel``); 1 (no
+        # field) named them with the collection in front (``params/dense/kernel``). The
+        # loader takes the names from this list, so both load.
+        "signature_version": SIGNATURE_VERSION,
         "signature_name": "serving_default",
         "batch_dimension": BATCH,
         "input_structure": "dict" if isinstance(specs, Mapping) else "array",
@@ -354,7 +355,7 @@ def export_saved_model(
     signature = _signature(exported, specs, variables, step, fold_variables)
     if jax.process_index() != 0:
         return ""
-    return _write(str(export_dir_base), exported, leaves, _flat_names(variables), signature)
+    return _write(str(export_dir_base), exported, leaves, variables_lib.names(variables), signature)
 
 
 # --------------------------------------------------------------------------- loading

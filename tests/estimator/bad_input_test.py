@@ -395,19 +395,19 @@ MISMATCHES = [
         "other layer sizes",
         "train",
         lambda: (h.model_fn, {"hidden": 32}),
-        r"variables/params/hidden/kernel: checkpoint shape \(6, 16\), model shape \(6, 32\)",
+        r"hidden/kernel: checkpoint shape \(6, 16\), model shape \(6, 32\)",
     ),
     (
         "other variable names",
         "evaluate",
         lambda: (_other_names, {}),
-        r"variables/params/other/kernel: in the model \(6, 3\), not in the checkpoint",
+        r"other/kernel: in the model \(6, 3\), not in the checkpoint",
     ),
     (
         "an extra collection",
         "predict",
         lambda: (h.model_fn, {"batch_norm": True}),
-        "variables/batch_stats/BatchNorm_0/mean: in the model",
+        "batch_stats/BatchNorm_0/mean: in the model",
     ),
     ("another optimizer", "train", lambda: (_adam, {}), "train/opt_state/0/count: in the model"),
 ]

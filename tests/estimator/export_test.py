@@ -149,7 +149,10 @@ def test_directory_signature_and_variables(tmp_path, trained):
     assert sig["global_step"] == 8 and sig["platforms"] == ["cpu"]
     # The stored variables are exactly the checkpoint's.
     stored = np.load(os.path.join(beside, "variables", "variables.npz"))
-    names = {n.removeprefix("params/"): n for n in stored.files}
+    # Named as get_variable_names names them (signature version 2).
+    assert sig["signature_version"] == 2
+    assert sorted(v["name"] for v in sig["variables"]["list"]) == sorted(stored.files)
+    names = {n: n for n in stored.files}
     assert sorted(names) == sorted(set(est.get_variable_names()) - {"global_step"})
     for name, key in names.items():
         np.testing.assert_array_equal(stored[key], est.get_variable_value(name), err_msg=name)
@@ -171,6 +174,40 @@ def test_directory_signature_and_variables(tmp_path, trained):
     batch = {"x": h.make_data(n=5)[0], "row": np.arange(5)}
     for key, value in model(batch).items():
         np.testing.assert_array_equal(value, load_saved_model(beside)(batch)[key], err_msg=key)
+
+
+def test_loader_reads_version_1_signatures(tmp_path, trained):
+    """Exports written before variable names were unified (``params/dense/kernel``, no
+    ``signature_version``) still load and give the same outputs."""
+    import shutil
+
+    fn = build_raw_serving_input_receiver_fn({"x": np.zeros((3, 6)), "row": np.zeros(3, np.int64)})
+    path = trained.export_saved_model(str(tmp_path / "export"), fn)
+    old = str(tmp_path / "old")
+    shutil.copytree(path, old)
+    sig_path, npz_path = (
+        os.path.join(old, "signature.json"),
+        os.path.join(old, "variables", "variables.npz"),
+    )
+    sig = json.loads(open(sig_path).read())
+    del sig["signature_version"]
+    stored = dict(np.load(npz_path))
+    renamed = {}
+    for v in sig["variables"]["list"]:
+        old_name = (
+            v["name"]
+            if "/" in v["name"] and v["name"].split("/")[0] == "batch_stats"
+            else "params/" + v["name"]
+        )
+        renamed[old_name] = stored[v["name"]]
+        v["name"] = old_name
+    np.savez(npz_path, **renamed)
+    open(sig_path, "w").write(json.dumps(sig))
+    x = {"x": np.arange(18, dtype=np.float32).reshape(3, 6) / 18, "row": np.arange(3)}
+    new_out, old_out = load_saved_model(path)(x), load_saved_model(old)(x)
+    assert sorted(new_out) == sorted(old_out)
+    for key in new_out:
+        np.testing.assert_array_equal(new_out[key], old_out[key])
 
 
 def _export_outputs_model_fn(features, labels, mode, params):
