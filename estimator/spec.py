@@ -29,7 +29,7 @@ class ModeKeys:
     ALL = (TRAIN, EVAL, PREDICT)
 
 
-def _arg_count(fn: Callable, field: str) -> tuple[int, int, bool]:
+def _arg_count(fn: Callable) -> tuple[int, int, bool]:
     """(required positional, max positional, takes *args) of a host function."""
     try:
         sig = inspect.signature(fn)
@@ -68,7 +68,7 @@ def validate_host_fn_tuple(value: Any, field: str) -> None:
         items = list(tensors.items())
     elif isinstance(tensors, (list, tuple)):
         items = list(enumerate(tensors))
-        required, maximum, varargs = _arg_count(fn, field)
+        required, maximum, varargs = _arg_count(fn)
         if not varargs and not (required <= len(tensors) <= maximum):
             takes = required if required == maximum else f"{required}-{maximum}"
             raise ValueError(

@@ -62,12 +62,6 @@ def writer_for(logdir: str):
         return w
 
 
-def flush_all() -> None:
-    with _LOCK:
-        for w in _WRITERS.values():
-            w.flush()
-
-
 def close(logdir: str) -> None:
     """Closes the writer of ``logdir``: every queued event is on disk when this returns."""
     with _LOCK:

@@ -21,9 +21,3 @@ ZOO_MODELS: dict[str, Callable] = {
 }
 
 ZOO_DATASETS: dict[str, Callable] = {"text": text.char_lm}
-
-
-def register(models_module) -> None:
-    """Adds the zoo's entries to a ``models`` package's registries (idempotent)."""
-    models_module.MODELS.update(ZOO_MODELS)
-    models_module.DATASETS.update(ZOO_DATASETS)

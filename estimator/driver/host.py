@@ -228,7 +228,6 @@ class MetricAccumulator:
 
     def __init__(self):
         self.metrics: dict[str, metrics_lib.Metric] = {}
-        self.calls = 0
 
     def update_loop(self, metric_fn: Callable, tensors: Any, host_mask: np.ndarray) -> None:
         """Runs ``metric_fn`` once per eval batch of a loop that has real rows."""
@@ -244,7 +243,6 @@ class MetricAccumulator:
     ) -> None:
         """Runs ``metric_fn`` on one batch's real rows and merges what it returns."""
         out = call_host_fn(metric_fn, tensors, what=_METRIC_FN, check=check)
-        self.calls += 1
         if not isinstance(out, Mapping):
             raise TypeError(
                 f"metric_fn must return a dict of name -> metrics.Metric, got {type(out).__name__}"

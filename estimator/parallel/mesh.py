@@ -12,8 +12,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, Mesh
 
 DATA = "data"
 MODEL = "model"
@@ -60,13 +59,3 @@ def single_device_mesh(device: jax.Device | None = None) -> Mesh:
 
 def num_replicas(mesh: Mesh) -> int:
     return mesh.shape[DATA]
-
-
-def replicated(mesh: Mesh) -> NamedSharding:
-    """Sharding of a value every device holds whole."""
-    return NamedSharding(mesh, P())
-
-
-def batch_sharded(mesh: Mesh, *, leading: int = 0) -> NamedSharding:
-    """Sharding of a batch split over replicas along axis ``leading``."""
-    return NamedSharding(mesh, P(*([None] * leading), DATA))
