@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -22,6 +23,12 @@ from tests import helpers as h
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PREDICT_BATCH = 16
+PREDICT = "tensorflow/serving/predict"
+
+
+def _portable(path, *parts):
+    """A file of our portable export, in ``assets.extra/`` of the export directory."""
+    return os.path.join(path, "assets.extra", *parts)
 
 
 def _trained(model_dir, model_fn=h.model_fn, *, params=None, steps=8, features_dict=True):
@@ -137,7 +144,7 @@ def test_directory_signature_and_variables(tmp_path, trained):
     assert sorted(os.listdir(tmp_path / "export")) == sorted(
         os.path.basename(p) for p in (beside, folded)
     )  # no temp- directory left
-    sig = json.loads(open(os.path.join(beside, "signature.json")).read())
+    sig = json.loads(open(_portable(beside, "signature.json")).read())
     assert sig["inputs"] == {
         "x": {"shape": ["b", 6], "dtype": "float32"},
         "row": {"shape": ["b"], "dtype": "int32"},
@@ -147,8 +154,15 @@ def test_directory_signature_and_variables(tmp_path, trained):
         "row": {"shape": ["b"], "dtype": "int32"},
     }
     assert sig["global_step"] == 8 and sig["platforms"] == ["cpu"]
+    assert sig["signatures"] == {
+        "serving_default": {"method": PREDICT, "outputs": {"logits": "logits", "row": "row"}}
+    }
+    # With TensorFlow installed (the test extra), the directory is a TF SavedModel too.
+    assert sig["tf_saved_model"] is True
+    for path in (beside, folded):
+        assert os.path.isfile(os.path.join(path, "saved_model.pb"))
     # The stored variables are exactly the checkpoint's.
-    stored = np.load(os.path.join(beside, "variables", "variables.npz"))
+    stored = np.load(_portable(beside, "variables", "variables.npz"))
     # Named as get_variable_names names them (signature version 2).
     assert sig["signature_version"] == 2
     assert sorted(v["name"] for v in sig["variables"]["list"]) == sorted(stored.files)
@@ -156,22 +170,29 @@ def test_directory_signature_and_variables(tmp_path, trained):
     assert sorted(names) == sorted(set(est.get_variable_names()) - {"global_step"})
     for name, key in names.items():
         np.testing.assert_array_equal(stored[key], est.get_variable_value(name), err_msg=name)
-    sig_folded = json.loads(open(os.path.join(folded, "signature.json")).read())
+    sig_folded = json.loads(open(_portable(folded, "signature.json")).read())
     assert sig_folded["variables"]["stored"] == "folded"
-    assert not os.path.exists(os.path.join(folded, "variables"))
+    assert not os.path.exists(_portable(folded, "variables"))
     # Folded: the serialized program takes the two features and nothing else.
     exported = jax.export.deserialize(
-        bytearray(open(os.path.join(folded, "saved_model.jax"), "rb").read())
+        bytearray(open(_portable(folded, "saved_model.jax"), "rb").read())
     )
     assert [str(a) for a in exported.in_avals] == ["int32[b]", "float32[b,6]"]
     assert len(load_saved_model(beside).exported.in_avals) == 2 + len(stored.files)
     # A base directory loads its newest export.
     assert load_saved_model(str(tmp_path / "export")).path == folded
+    # An export written before the TF SavedModel (our files at the top) still loads.
+    old = str(tmp_path / "old" / "1700000000")
+    shutil.copytree(_portable(beside), old)
+    batch = {"x": h.make_data(n=5)[0], "row": np.arange(5)}
+    np.testing.assert_array_equal(
+        load_saved_model(os.path.dirname(old))(batch)["logits"],
+        load_saved_model(beside)(batch)["logits"],
+    )
     # Lowered for several platforms, it still runs here, with the same results.
     multi = est.export_saved_model(str(tmp_path / "multi"), fn, platforms=("cpu", "cuda", "tpu"))
     model = load_saved_model(multi)
     assert model.signature["platforms"] == ["cpu", "cuda", "tpu"]
-    batch = {"x": h.make_data(n=5)[0], "row": np.arange(5)}
     for key, value in model(batch).items():
         np.testing.assert_array_equal(value, load_saved_model(beside)(batch)[key], err_msg=key)
 
@@ -232,6 +253,13 @@ def test_export_outputs_choose_the_outputs_and_single_array_features(tmp_path):
     model = load_saved_model(path)
     assert model.input_names == ["features"]
     assert sorted(model.output_names) == ["probabilities", "scores"]
+    # Plain arrays in export_outputs: one serving_default signature with an output per entry.
+    assert model.signature["signatures"] == {
+        "serving_default": {
+            "method": PREDICT,
+            "outputs": {"probabilities": "probabilities", "scores": "scores"},
+        }
+    }
     out = model(x)
     np.testing.assert_allclose(out["scores"], expected, rtol=1e-5, atol=1e-6)
     e = np.exp(expected - expected.max(-1, keepdims=True))
@@ -300,6 +328,33 @@ def test_errors_name_what_is_wrong(tmp_path, trained):
     ):
         est3.export_saved_model(str(tmp_path / "e"), fn)
 
+    def no_default(features, labels, mode, params):
+        spec = h.model_fn(features, labels, mode, params)
+        if mode != estimator.ModeKeys.PREDICT:
+            return spec
+        logits = spec.predictions["logits"]
+        outputs = {
+            "predict": estimator.PredictOutput(logits),
+            "regress": estimator.RegressionOutput(logits[:, 0]),
+        }
+        return estimator.TPUEstimatorSpec(
+            mode, predictions=spec.predictions, export_outputs=outputs
+        )
+
+    est4 = estimator.TPUEstimator(
+        no_default,
+        config=h.config(est.model_dir),
+        params={"batch_norm": True},
+        train_batch_size=16,
+        predict_batch_size=16,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"\['predict', 'regress'\] and none is named "
+        r"'serving_default'",
+    ):
+        est4.export_saved_model(str(tmp_path / "e"), fn)
+
 
 def test_cli_export_from_config(tmp_path, capsys):
     model_dir, export_dir = str(tmp_path / "model"), str(tmp_path / "export")
@@ -317,6 +372,7 @@ def test_cli_export_from_config(tmp_path, capsys):
     assert cli.main(["export", *common, "--export_dir", export_dir]) == 0
     path = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["export_dir"]
     assert os.path.dirname(path) == export_dir
+    assert os.path.isfile(os.path.join(path, "saved_model.pb"))  # the TF SavedModel too
     model = load_saved_model(path)
     assert model.signature["inputs"] == {"features": {"shape": ["b", 64], "dtype": "float32"}}
     assert sorted(model.output_names) == ["class_ids", "logits"]
