@@ -21,6 +21,7 @@ with root_logging_untouched():
         EstimatorError,
         NoCheckpointError,
     )
+    from .export_output import ClassificationOutput, PredictOutput, RegressionOutput
     from .input_context import InputContext
     from .io.export import build_raw_serving_input_receiver_fn, load_saved_model
     from .io.inference import rewrite_for_inference, validate_inference_rewrite_for_variables
@@ -43,6 +44,9 @@ __all__ = [
     "TracedValueError",
     "build_raw_serving_input_receiver_fn",
     "load_saved_model",
+    "ClassificationOutput",
+    "PredictOutput",
+    "RegressionOutput",
     "outside_compilation",
     "rewrite_for_inference",
     "validate_inference_rewrite_for_variables",

@@ -15,8 +15,12 @@ TF's ``ServingInputReceiver`` reduced to its feature specs; an object with a ``f
 attribute is accepted too.) ``float64``/``int64`` become ``float32``/``int32`` as in training.
 
 What is written: ``<export_dir_base>/<seconds since epoch>/`` (unique, written under a
-``temp-`` name and renamed when complete) holding
+``temp-`` name and renamed when complete; the number is TF Serving's model version) holding
 
+* with TensorFlow installed (the ``tf`` extra), a TF SavedModel (``saved_model.pb``,
+  ``variables/``) that TF Serving loads; see ``io/tf_saved_model.py``. Without it, one log line
+  says how to get it;
+* in ``assets.extra/`` (TF's place for extra files), our portable export:
 * ``saved_model.jax``: the PREDICT computation for one device, serialized by ``jax.export``
   (StableHLO; runs wherever a compatible jaxlib does, on the export's ``platforms``);
 * ``variables/variables.npz``: the variables by name (``dense/kernel``, ``batch_stats/...``,
@@ -25,9 +29,10 @@ What is written: ``<export_dir_base>/<seconds since epoch>/`` (unique, written u
 * ``signature.json``: input and output names, shapes (``"b"`` for the batch) and dtypes, the
   global step, how variables are stored, platforms and versions.
 
-The outputs are ``export_outputs`` of the PREDICT spec when given (a dict of output name ->
-array, or -> the name of a ``predictions`` key), else every entry of ``predictions`` (an array
-alone is named ``"output"``). Every output needs the batch dimension first.
+The outputs and signatures come from ``export_outputs`` of the PREDICT spec (TF's
+``PredictOutput``/``ClassificationOutput``/``RegressionOutput``, or output name -> array or
+``predictions`` key), else every entry of ``predictions`` (an array alone is named ``"output"``);
+see ``io/signatures.py``. Every output needs the batch dimension first.
 model_fn runs with ``params["batch_size"]`` equal to the symbolic batch size, the padding mask
 all ones, the checkpoint's global step, and as replica 0 of 1.
 """
@@ -35,12 +40,13 @@ all ones, the checkpoint's global step, and as replica 0 of 1.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -55,21 +61,25 @@ from ..parallel.mesh import DATA, single_device_mesh
 from ..parallel.outside_compilation import forbid_host_calls
 from ..runtime import seed_key_data
 from ..spec import ModeKeys
+from . import tf_saved_model
 from . import variables as variables_lib
 from .inference import rewrite_for_inference, validate_inference_rewrite_for_variables
+from .signatures import export_signatures
 from .store import StateStore
 
 COMPUTATION_FILE = "saved_model.jax"
 VARIABLES_FILE = os.path.join("variables", "variables.npz")
 SIGNATURE_FILE = "signature.json"
+PORTABLE_DIR = "assets.extra"  # our export, inside the TF SavedModel directory
 SIGNATURE_VERSION = 2
 BATCH = "b"
-_SINGLE_INPUT, _SINGLE_OUTPUT = "features", "output"
+_SINGLE_INPUT = "features"
 _CANONICAL = {
     np.dtype(np.float64): np.float32,
     np.dtype(np.int64): np.int32,
     np.dtype(np.uint64): np.uint32,
 }
+logger = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- serving input
@@ -138,31 +148,11 @@ def _restore(
     return jax.tree.map(np.asarray, jax.device_get(variables)), step
 
 
-def _select_outputs(spec: Any) -> dict:
-    preds = spec.predictions
-    if not spec.export_outputs:
-        return dict(preds) if isinstance(preds, Mapping) else {_SINGLE_OUTPUT: preds}
-    out = {}
-    for name, value in spec.export_outputs.items():
-        if isinstance(value, str):
-            if not isinstance(preds, Mapping) or value not in preds:
-                keys = sorted(preds) if isinstance(preds, Mapping) else []
-                raise ValueError(
-                    f"export_outputs[{name!r}] names predictions key {value!r}, which does not "
-                    f"exist; predictions keys: {keys}"
-                )
-            value = preds[value]
-        if not hasattr(value, "shape"):
-            raise TypeError(
-                f"export_outputs[{name!r}] must be an array or a predictions key, got "
-                f"{type(value).__name__}"
-            )
-        out[str(name)] = value
-    return out
+def _predict_fn(programs: Programs, global_step: int, signatures: dict) -> Callable:
+    """``(variables, features) -> {name: array}``: model_fn in PREDICT mode on one device.
 
-
-def _predict_fn(programs: Programs, global_step: int) -> Callable:
-    """``(variables, features) -> {name: array}``: model_fn in PREDICT mode on one device."""
+    Tracing it records the export's signatures (``io/signatures.py``) in ``signatures``.
+    """
 
     key = jax.random.wrap_key_data(seed_key_data(programs.config.tf_random_seed))
 
@@ -179,7 +169,9 @@ def _predict_fn(programs: Programs, global_step: int) -> Callable:
             step=step,
             rngs=step_rngs(key, step, 0),
         )
-        outputs = _select_outputs(spec)
+        outputs, found = export_signatures(spec)
+        signatures.clear()
+        signatures.update(found)
         for name, value in outputs.items():
             if len(value.shape) == 0 or value.shape[0] != batch:
                 raise ValueError(
@@ -197,6 +189,15 @@ def _predict_fn(programs: Programs, global_step: int) -> Callable:
     )
 
 
+class _Export(NamedTuple):
+    """The exported computation, the jitted function it came from, and what it serves."""
+
+    exported: jax.export.Exported
+    fn: Callable  # (variable leaves, features) -> outputs; (features) -> outputs when folded
+    leaves: list | None  # the variables' values; None when folded
+    signatures: dict  # signature key -> {"method", "outputs"} (io/signatures.py)
+
+
 def _export(
     programs: Programs,
     specs: Any,
@@ -205,9 +206,10 @@ def _export(
     *,
     fold_variables: bool,
     platforms,
-) -> tuple[jax.export.Exported, list | None]:
+) -> _Export:
 
-    predict = _predict_fn(programs, global_step)
+    signatures: dict = {}
+    predict = _predict_fn(programs, global_step, signatures)
     sym = _symbolic(specs)
     kwargs = {"platforms": tuple(platforms)} if platforms else {}
     reason = "cannot be exported: host callbacks are not serializable by jax.export"
@@ -216,14 +218,15 @@ def _export(
             program = rewrite_for_inference(predict, variables=variables, name="serving_default")
             exported = jax.export.export(program.jitted, **kwargs)(sym)
             validate_inference_rewrite_for_variables(exported, inputs=[sym])
-            return exported, None
+            return _Export(exported, program.jitted, None, signatures)
         leaves, treedef = jax.tree.flatten(variables)
 
         def serving_default(var_leaves, features):
             return predict(jax.tree.unflatten(treedef, var_leaves), features)
 
         structs = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in leaves]
-        return jax.export.export(jax.jit(serving_default), **kwargs)(structs, sym), leaves
+        fn = jax.jit(serving_default)
+        return _Export(jax.export.export(fn, **kwargs)(structs, sym), fn, leaves, signatures)
 
 
 # --------------------------------------------------------------------------- writing
@@ -234,7 +237,8 @@ def _describe(avals: Any) -> dict:
     }
 
 
-def _signature(exported, specs, variables, global_step, fold_variables) -> dict:
+def _signature(export: _Export, specs, variables, global_step, fold_variables) -> dict:
+    exported = export.exported
     outs = jax.tree.unflatten(exported.out_tree, exported.out_avals)
     described = [
         {"name": n, **_describe(v)}
@@ -252,6 +256,7 @@ def _signature(exported, specs, variables, global_step, fold_variables) -> dict:
         "input_structure": "dict" if isinstance(specs, Mapping) else "array",
         "inputs": {k: _describe(_symbolic(v)) for k, v in inputs.items()},
         "outputs": {k: _describe(v) for k, v in outs.items()},
+        "signatures": export.signatures,
         "variables": {"stored": "folded" if fold_variables else VARIABLES_FILE, "list": described},
         "global_step": int(global_step),
         "platforms": list(exported.platforms),
@@ -292,15 +297,42 @@ def _reserve_dir(base: str) -> tuple[str, str]:
         ts += 1
 
 
-def _write(base: str, exported, leaves: list | None, names: list[str], signature: dict) -> str:
+def _write_tf(directory: str, export: _Export, names: list[str], specs: Any) -> bool:
+    """The TF SavedModel, when TensorFlow is installed; else one log line saying how."""
+    if not tf_saved_model.tensorflow_available():
+        logger.warning(
+            "TensorFlow is not installed: wrote the portable export only (%s/), no TF "
+            "SavedModel for TF Serving; to get one: %s",
+            PORTABLE_DIR,
+            tf_saved_model.INSTALL_HINT,
+        )
+        return False
+    leaves = export.leaves
+    tf_saved_model.write_tf_saved_model(
+        directory,
+        export.fn,
+        variables=None if leaves is None else list(zip(names, leaves, strict=True)),
+        inputs=specs if isinstance(specs, Mapping) else {_SINGLE_INPUT: specs},
+        single_input=not isinstance(specs, Mapping),
+        signatures=export.signatures,
+        platforms=export.exported.platforms,
+    )
+    return True
+
+
+def _write(base: str, export: _Export, names: list[str], specs: Any, signature: dict) -> str:
     temp, final = _reserve_dir(base)
     try:
-        with open(os.path.join(temp, COMPUTATION_FILE), "wb") as f:
-            f.write(exported.serialize())
-        if leaves is not None:
-            os.makedirs(os.path.join(temp, "variables"))
-            np.savez(os.path.join(temp, VARIABLES_FILE), **dict(zip(names, leaves, strict=True)))
-        with open(os.path.join(temp, SIGNATURE_FILE), "w") as f:
+        signature["tf_saved_model"] = _write_tf(temp, export, names, specs)
+        portable = os.path.join(temp, PORTABLE_DIR)
+        os.makedirs(portable)
+        with open(os.path.join(portable, COMPUTATION_FILE), "wb") as f:
+            f.write(export.exported.serialize())
+        if export.leaves is not None:
+            os.makedirs(os.path.join(portable, "variables"))
+            variables = dict(zip(names, export.leaves, strict=True))
+            np.savez(os.path.join(portable, VARIABLES_FILE), **variables)
+        with open(os.path.join(portable, SIGNATURE_FILE), "w") as f:
             f.write(_json(signature))
         while True:
             try:
@@ -349,13 +381,14 @@ def export_saved_model(
         )
     specs = _feature_specs(serving_input_receiver_fn())
     variables, step = _restore(programs, store, specs, checkpoint_path)
-    exported, leaves = _export(
+    export = _export(
         programs, specs, variables, step, fold_variables=fold_variables, platforms=platforms
     )
-    signature = _signature(exported, specs, variables, step, fold_variables)
+    signature = _signature(export, specs, variables, step, fold_variables)
     if jax.process_index() != 0:
         return ""
-    return _write(str(export_dir_base), exported, leaves, variables_lib.names(variables), signature)
+    names = variables_lib.names(variables)
+    return _write(str(export_dir_base), export, names, specs, signature)
 
 
 # --------------------------------------------------------------------------- loading
@@ -364,14 +397,17 @@ class LoadedModel:
 
     def __init__(self, path: str):
         self.path = path
-        with open(os.path.join(path, SIGNATURE_FILE)) as f:
+        root = _portable_dir(path)
+        if root is None:
+            raise ValueError(f"{path!r} is not an export directory (no {SIGNATURE_FILE})")
+        with open(os.path.join(root, SIGNATURE_FILE)) as f:
             self.signature = json.load(f)
-        with open(os.path.join(path, COMPUTATION_FILE), "rb") as f:
+        with open(os.path.join(root, COMPUTATION_FILE), "rb") as f:
             self.exported = jax.export.deserialize(bytearray(f.read()))
         var = self.signature["variables"]
         self._variables = None
         if var["stored"] != "folded":
-            with np.load(os.path.join(path, var["stored"]), allow_pickle=False) as npz:
+            with np.load(os.path.join(root, var["stored"]), allow_pickle=False) as npz:
                 self._variables = [
                     jnp.asarray(_as_dtype(npz[v["name"]], v["dtype"])) for v in var["list"]
                 ]
@@ -438,11 +474,21 @@ def _conform(x: Any, sig: dict, name: str) -> np.ndarray:
     return arr.astype(dtype, copy=False)
 
 
+def _portable_dir(path: str) -> str | None:
+    """Where an export's ``signature.json`` is: ``assets.extra/``, or the directory itself
+    (exports written before the TF SavedModel)."""
+    for root in (os.path.join(path, PORTABLE_DIR), path):
+        if os.path.isfile(os.path.join(root, SIGNATURE_FILE)):
+            return root
+    return None
+
+
 def load_saved_model(path: str) -> LoadedModel:
     """Loads an export: a callable ``model(features) -> {output name: numpy array}``.
 
-    Needs only this package's loader, JAX and numpy (not the model code). ``path`` is a
-    timestamped export directory, or an export base directory (its newest export is used).
+    Needs only this package's loader, JAX and numpy (not the model code, not TensorFlow).
+    ``path`` is a timestamped export directory, or an export base directory (its newest export
+    is used).
 
     Example:
       >>> model = estimator.load_saved_model("/tmp/export/1700000000")
@@ -450,7 +496,7 @@ def load_saved_model(path: str) -> LoadedModel:
       (7, 10)
     """
     path = os.fspath(path)
-    if not os.path.exists(os.path.join(path, SIGNATURE_FILE)):
+    if _portable_dir(path) is None:
         stamps = [int(d) for d in os.listdir(path) if d.isdigit()] if os.path.isdir(path) else []
         if not stamps:
             raise ValueError(f"{path!r} is not an export directory (no {SIGNATURE_FILE})")

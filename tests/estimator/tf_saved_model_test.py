@@ -263,4 +263,3 @@ def test_without_tensorflow_the_portable_export_is_written_and_one_line_says_how
     assert not os.path.exists(os.path.join(path, "saved_model.pb"))
     got = estimator.load_saved_model(path)({"x": x[:16]})["logits"]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-
