@@ -25,6 +25,7 @@ with root_logging_untouched():
     from .input_context import InputContext
     from .io.export import build_raw_serving_input_receiver_fn, load_saved_model
     from .io.inference import rewrite_for_inference, validate_inference_rewrite_for_variables
+    from .io.lock import ModelDirInUseError
     from .parallel.outside_compilation import outside_compilation
     from .parallel.replica_context import ReduceOp, get_replica_context
     from .scaffold import Scaffold, WarmStartSettings, init_from_checkpoint
@@ -39,6 +40,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "EstimatorError",
+    "ModelDirInUseError",
     "NoCheckpointError",
     "Preempted",
     "TracedValueError",

@@ -318,6 +318,7 @@ def _model_dir(model_dir: str | None, config: RunConfig) -> str:
     if chosen is None:
         chosen = tempfile.mkdtemp(prefix="tpu_estimator_")
         log.warning("Using temporary folder as model directory: %s", chosen)
+    ckpt_lib.check_model_dir(str(chosen))  # before anything is written there
     return str(chosen)
 
 

@@ -22,7 +22,8 @@ from ..config import RunConfig
 from ..data.inputs import Chunk, Prefetcher
 from ..engine.loops import TrainState
 from ..engine.state import fresh_train_state, restore_train_state, train_state_parts
-from ..io.checkpoint import Checkpoints
+from ..io.checkpoint import Checkpoints, checked_input_pulls
+from ..io.lock import TrainerLock
 from ..io.store import LastState
 from ..parallel import multihost
 from ..scaffold import fresh_init_fn
@@ -127,7 +128,10 @@ def _open_input(job: Job, input_fn, meta: dict, target_fn):
     """
     resume = job.config.resume_input_position
     pipe = job.feeder.pipeline(input_fn, ModeKeys.TRAIN, pad=False)
-    skip = int(meta.get("input_pulls", 0)) if resume else 0
+    skip = 0
+    if resume and meta:  # bounded: a crafted count must not fast-forward for ever
+        path = job.store.writer().path(int(meta.get("global_step", 0)))
+        skip = checked_input_pulls(meta, pulls_per_step=pipe.pulls_per_step, path=path)
     saved = meta.get("input_state")
     if meta.get("input_states") is not None:  # a many-process run: this process's position
         saved = meta["input_states"][jax.process_index()]
@@ -216,9 +220,31 @@ def _planned_last_steps(user_hooks, start_step: int) -> list[int]:
 def run_train_loops(
     job: Job, input_fn, *, hooks, steps, max_steps, warm_start_from=None
 ) -> TrainOutcome:
-    """Trains until ``steps`` more, ``max_steps`` in all, a hook's stop or the input's end."""
+    """Trains until ``steps`` more, ``max_steps`` in all, a hook's stop or the input's end.
+
+    Raises:
+      ModelDirInUseError: another trainer holds the model_dir (see ``io/lock.py``).
+    """
+    lock = TrainerLock(job.model_dir)  # one trainer per model_dir; process 0 holds it
+    multihost.run_on_process_0(lock.acquire, f"locking model_dir {job.model_dir}")
+    try:
+        return _train_locked(
+            job,
+            input_fn,
+            hooks=hooks,
+            steps=steps,
+            max_steps=max_steps,
+            warm_start_from=warm_start_from,
+        )
+    finally:
+        lock.release()
+
+
+def _train_locked(job: Job, input_fn, *, hooks, steps, max_steps, warm_start_from):
     ckpts = job.store.writer()
     latest = ckpts.latest_meta()  # the newest step that looks intact
+    if max_steps is not None and latest and latest[0] >= max_steps:
+        latest = ckpts.latest_verified()  # about to skip: its arrays must read back
     start_step = latest[0] if latest else 0
     if max_steps is not None and start_step >= max_steps:
         log.info(

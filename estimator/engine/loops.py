@@ -69,6 +69,24 @@ def replica_mean(tree: Any) -> Any:
     return jax.tree.map(one, tree)
 
 
+def mean_gradients(grads: Any) -> Any:
+    """``pmean`` of the gradients over replicas; on CPU, low-precision ones in float32.
+
+    XLA:CPU aborts compiling the train loop (``Invalid binary instruction opcode copy``) when
+    bfloat16 gradients are averaged over more than one device; float32 avoids it (and sums
+    the replicas' gradients more exactly).
+    """
+    if jax.default_backend() != "cpu":
+        return lax.pmean(grads, DATA)
+
+    def one(g):
+        if jnp.issubdtype(g.dtype, jnp.floating) and jnp.finfo(g.dtype).bits < 32:
+            return lax.pmean(g.astype(jnp.float32), DATA).astype(g.dtype)
+        return lax.pmean(g, DATA)
+
+    return jax.tree.map(one, grads)
+
+
 def _scalar_loss(spec: TPUEstimatorSpec) -> jax.Array:
     return jnp.reshape(spec.loss, ()).astype(jnp.float32)
 
@@ -145,7 +163,7 @@ def make_train_loop(
 
         varying = jax.tree.map(lambda a: lax.pcast(a, DATA, to="varying"), state.params)
         (loss, (new_state, host)), grads = jax.value_and_grad(loss_fn, has_aux=True)(varying)
-        grads = lax.pmean(grads, DATA)
+        grads = mean_gradients(grads)
         loss = lax.pmean(loss, DATA)
         tx = holder[ModeKeys.TRAIN].train_op
         updates, opt_state = tx.update(grads, state.opt_state, state.params)

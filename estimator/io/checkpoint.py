@@ -22,9 +22,13 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import shutil
+import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -32,17 +36,87 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from ..errors import CheckpointError, CheckpointMismatchError, NoCheckpointError
+from ..errors import (
+    CheckpointError,
+    CheckpointMismatchError,
+    EstimatorValueError,
+    NoCheckpointError,
+)
 from . import variables as variables_lib
 
 log = logging.getLogger("estimator")
 
 ITEMS = ("variables", "train", "meta")
 _MAX_LISTED = 8
+# Rotated steps are renamed in here (atomically: a reader sees a step whole or not at all),
+# then deleted by the writer.
+_ROTATED = ".rotated"
+_LISTING_ATTEMPTS = 20
+_GLOB_CHARACTERS = "*?[]\\"
 
 
 def checkpoint_dir(model_dir: str) -> str:
     return os.path.join(os.path.abspath(model_dir), "checkpoints")
+
+
+def check_model_dir(model_dir: str) -> None:
+    """Refuses a model_dir that Orbax would write but never read back.
+
+    Orbax globs the checkpoint directory unescaped when it finishes a step, so in a path with
+    ``[``, ``]``, ``*`` or ``?`` the glob misses (or matches another directory's) files, and
+    TensorStore reads a backslash as a separator.
+
+    Raises:
+      ValueError: the absolute path holds one of ``*?[]\\``.
+    """
+    path = os.path.abspath(str(model_dir))
+    found = sorted({c for c in path if c in _GLOB_CHARACTERS})
+    if found:
+        raise EstimatorValueError(
+            f"model_dir {path!r} contains {' '.join(repr(c) for c in found)}: glob characters "
+            "and backslashes in a checkpoint path make checkpoints that cannot be read back "
+            "(Orbax globs the path when it finishes a step). Use a directory name without "
+            f"any of {' '.join(_GLOB_CHARACTERS)}."
+        )
+
+
+def with_checksum(meta: dict) -> dict:
+    """``meta`` with a ``checksum`` of its other entries (SHA-256 of their canonical JSON)."""
+    body = {k: v for k, v in meta.items() if k != "checksum"}
+    return {**body, "checksum": _digest(body)}
+
+
+def _digest(body: dict) -> str:
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def checked_input_pulls(meta: dict, *, pulls_per_step: int, path: str) -> int:
+    """The number of input batches a checkpoint says were consumed, bounded.
+
+    A resumed trainer fast-forwards a deterministic input by this many pulls; a crafted value
+    would make it read forever. Each step consumes ``pulls_per_step`` pulls; as many again are
+    allowed for short batches skipped in the stream (or exactly ``skipped_pulls`` when the
+    meta records them).
+
+    Raises:
+      CheckpointError: ``input_pulls`` is not a count, or more than the steps can have used.
+    """
+    pulls, step = meta.get("input_pulls", 0), int(meta.get("global_step", 0))
+    if isinstance(pulls, bool) or not isinstance(pulls, int) or pulls < 0:
+        raise CheckpointError(f"checkpoint {path}: meta input_pulls={pulls!r} is not a count")
+    skipped = meta.get("skipped_pulls")
+    extra = skipped if isinstance(skipped, int) and skipped >= 0 else step * pulls_per_step
+    limit = step * pulls_per_step + extra
+    if pulls > limit:
+        raise CheckpointError(
+            f"checkpoint {path}: meta input_pulls={pulls} is more than its {step} steps can "
+            f"have consumed ({limit} pulls at most, {pulls_per_step} per step); refusing to "
+            "fast-forward the input that far. The meta was edited or written by another "
+            "input pipeline: restore an intact checkpoint, or set "
+            "RunConfig(resume_input_position=False) to start the input from its beginning."
+        )
+    return pulls
 
 
 def _abstract(tree: Any) -> Any:
@@ -53,6 +127,21 @@ def _short(error: BaseException) -> str:
     """One line of an Orbax/TensorStore error (their specs run to kilobytes)."""
     text = f"{type(error).__name__}: {error}".split(" [tensorstore_spec")[0]
     return text if len(text) <= 400 else text[:400] + "..."
+
+
+def _is_empty(x: Any) -> bool:
+    """None, or a node without arrays (optax's ``EmptyState()``, an empty collection)."""
+    return x is None or (not hasattr(x, "shape") and not jax.tree.leaves(x))
+
+
+def _skeleton(tree: Any) -> dict[str, tuple | None]:
+    """Like ``_shapes`` by path, and ``name -> None`` for each empty node: two optimizers with
+    the same slots but another chain (Adam against AdamW) differ here."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_empty)[0]
+    return {
+        variables_lib.path_name(path): None if _is_empty(x) else tuple(getattr(x, "shape", ()))
+        for path, x in leaves
+    }
 
 
 def _shapes(tree: Any, item: str) -> dict[str, tuple]:
@@ -76,7 +165,11 @@ def describe_mismatch(saved: dict[str, tuple], wanted: dict[str, tuple], item: s
         if name not in wanted:
             out.append(f"{label}: in the checkpoint, not in the model")
         elif name not in saved:
-            out.append(f"{label}: in the model {wanted[name]}, not in the checkpoint")
+            shape = "(an empty state)" if wanted[name] is None else wanted[name]
+            out.append(f"{label}: in the model {shape}, not in the checkpoint")
+        elif saved[name] is None or wanted[name] is None:
+            if saved[name] != wanted[name]:
+                out.append(f"{label}: an empty state in one, arrays in the other")
         elif tuple(saved[name]) != tuple(wanted[name]):
             out.append(f"{label}: checkpoint shape {saved[name]}, model shape {wanted[name]}")
     return out
@@ -100,6 +193,25 @@ def _cpu_array_handler() -> None:
     _HANDLER_SET.append(True)
 
 
+def _listing(fn: Callable[[], Any]) -> Any:
+    """Runs ``fn``, which lists the steps (Orbax reads each step's metadata as it lists),
+    again when a writer rotated a listed step away before it was read."""
+    for attempt in range(_LISTING_ATTEMPTS):
+        try:
+            return fn()
+        except FileNotFoundError:
+            if attempt == _LISTING_ATTEMPTS - 1:
+                raise
+            time.sleep(0.002 * (attempt + 1))
+
+
+def _entries(directory: str) -> set[str]:
+    try:
+        return set(os.listdir(directory))
+    except FileNotFoundError:
+        return set()
+
+
 class Checkpoints:
     """One model_dir's checkpoints.
 
@@ -110,6 +222,7 @@ class Checkpoints:
     """
 
     def __init__(self, model_dir: str, *, max_to_keep: int | None = 5, read_only: bool = False):
+        check_model_dir(model_dir)
         _cpu_array_handler()
         self.directory = checkpoint_dir(model_dir)
         self.read_only = read_only
@@ -119,38 +232,74 @@ class Checkpoints:
             read_only=read_only,
             create=not read_only,
             cleanup_tmp_directories=not read_only,  # only unfinished *.orbax-checkpoint-tmp
+            todelete_subdir=None if read_only else _ROTATED,
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+        self._manager = _listing(
+            lambda: ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+        )
         self._handler = ocp.StandardCheckpointHandler()
         self._warned: set[int] = set()
 
     def steps(self) -> list[int]:
-        """Complete checkpoints, oldest first."""
-        self._manager.reload()
+        """Complete checkpoints, oldest first.
+
+        Orbax lists the directory, then reads each step's metadata: a step a writer rotates
+        away meanwhile makes the listing fail or miss it (a listing taken while step 8 is
+        renamed into place and step 6 away can hold neither). The directory is listed again
+        until no step came or went while it was being listed.
+        """
+        for _ in range(_LISTING_ATTEMPTS):
+            before = _entries(self.directory)
+            _listing(self._manager.reload)
+            if _entries(self.directory) == before:  # nothing renamed or removed meanwhile
+                break
         return sorted(self._manager.all_steps())
 
     def path(self, step: int) -> str:
         return os.path.join(self.directory, str(step))
 
     def save(self, step: int, variables: dict, train: dict, meta: dict) -> bool:
-        """Starts an asynchronous save (arrays are copied off the devices before it returns)."""
+        """Starts an asynchronous save (arrays are copied off the devices before it returns).
+
+        ``meta`` is stored with a checksum (see ``with_checksum``). Returns False when the
+        step is already saved.
+
+        Raises:
+          CheckpointError: Orbax declined to save the step (a newer step is on disk).
+        """
         if step in self._manager.all_steps():
             return False
-        return self._manager.save(
+        self._purge_rotated()
+        saved = self._manager.save(
             step,
             args=ocp.args.Composite(
                 variables=ocp.args.StandardSave(variables),
                 train=ocp.args.StandardSave(train),
-                meta=ocp.args.JsonSave(meta),
+                meta=ocp.args.JsonSave(with_checksum(meta)),
             ),
         )
+        if not saved:
+            newest = self._manager.latest_step()
+            raise CheckpointError(
+                f"checkpoint step {step} was not saved in {self.directory}: the newest is "
+                f"{newest} (written by another trainer?); Orbax saves only newer steps"
+            )
+        return True
+
+    def _purge_rotated(self) -> None:
+        """Deletes the steps rotation renamed away (once a reader could no longer see them)."""
+        if self.read_only or jax.process_index() != 0:
+            return
+        shutil.rmtree(os.path.join(self.directory, _ROTATED), ignore_errors=True)
 
     def wait(self) -> None:
         self._manager.wait_until_finished()
+        self._purge_rotated()
 
     def close(self) -> None:
         self._manager.wait_until_finished()
         self._manager.close()
+        self._purge_rotated()
 
     # ----------------------------------------------------------------- integrity
     def meta(self, step: int) -> dict:
@@ -183,7 +332,12 @@ class Checkpoints:
             raise CheckpointError(
                 f"checkpoint {path}: meta {str(meta)[:100]!r} does not name global step {step}"
             )
-        return meta
+        if "checksum" in meta and with_checksum(meta)["checksum"] != meta["checksum"]:
+            raise CheckpointError(
+                f"checkpoint {path}: meta does not match its checksum (it was changed after "
+                "it was written)"
+            )
+        return {k: v for k, v in meta.items() if k != "checksum"}
 
     def _host_template(self, step: int, item: str = "variables") -> Any:
         """numpy leaves shaped like the saved arrays: Orbax then restores onto the host."""
@@ -247,10 +401,53 @@ class Checkpoints:
         try:
             out = self._manager.restore(step, args=ocp.args.Composite(**args))
         except Exception as e:  # noqa: BLE001 - Orbax raises many types; we name the step
+            if variables is not None:
+                self._check_structure(step, variables=variables, train=train)
             raise CheckpointError(
                 f"checkpoint {self.path(step)} could not be restored: {_short(e)}"
             ) from e
         return {**{k: out[k] for k in args}, "meta": meta}
+
+    def _check_structure(self, step: int, *, variables: Any, train: Any) -> None:
+        """After a failed restore: a tree that differs only in its empty nodes (another
+        optimizer chain with the same slots) is a mismatch, not damage."""
+        problems = []
+        pairs = [("variables", variables)] + ([("train", train)] if train is not None else [])
+        for item, template in pairs:
+            try:
+                saved = self._handler.metadata(epath.Path(self.path(step)) / item).tree
+            except Exception:  # noqa: BLE001 - unreadable metadata is damage, reported by caller
+                return
+            problems += describe_mismatch(_skeleton(saved), _skeleton(template), item)
+        if problems:
+            raise CheckpointMismatchError(
+                f"checkpoint {self.path(step)} does not match the model ({len(problems)} "
+                f"difference(s)): {'; '.join(problems[:_MAX_LISTED])}. It was written by a "
+                "different model_fn, params or train_op (another optimizer?); use a new "
+                "model_dir, or warm_start_from to load matching variables."
+            )
+
+    def verify(self, step: int) -> dict:
+        """Reads every array of one step onto the host (the whole checkpoint, once) and
+        returns its meta; a damaged step raises ``CheckpointError``."""
+        meta = self.meta(step)
+        args = {
+            item: ocp.args.StandardRestore(self._host_template(step, item)) for item in ITEMS[:2]
+        }
+        try:
+            self._manager.restore(step, args=ocp.args.Composite(**args))
+        except Exception as e:  # noqa: BLE001 - Orbax raises many types; we name the step
+            raise CheckpointError(
+                f"checkpoint {self.path(step)} could not be restored: {_short(e)}"
+            ) from e
+        return meta
+
+    def _vanished(self, step: int) -> bool:
+        """Whether ``step`` was rotated away (by a writer) since it was listed."""
+        if os.path.isdir(self.path(step)):
+            return False
+        log.info("Checkpoint %d was removed while being read; trying a newer one.", step)
+        return True
 
     def _warn(self, step: int, error: CheckpointError) -> None:
         if step not in self._warned:
@@ -274,6 +471,37 @@ class Checkpoints:
         )
         self._manager.reload()
 
+    def latest_verified(self) -> tuple[int, dict] | None:
+        """``(step, meta)`` of the newest step whose arrays all read back (see ``verify``);
+        damaged newer steps are skipped with a warning and, for a writer, moved aside.
+
+        Raises:
+          CheckpointError: steps exist but none reads back.
+        """
+        tried, skipped = set(), []
+        while True:
+            candidates = [s for s in reversed(self.steps()) if s not in tried]
+            if not candidates:
+                break
+            s = candidates[0]
+            tried.add(s)
+            try:
+                meta = self.verify(s)
+            except CheckpointError as e:
+                if not self._vanished(s):
+                    self._warn(s, e)
+                    skipped.append(s)
+                continue
+            for bad in skipped:
+                self._quarantine(bad)
+            return s, meta
+        if skipped:
+            raise CheckpointError(
+                f"no readable checkpoint in {self.directory} (steps {sorted(skipped)}); "
+                "refusing to start over existing work"
+            )
+        return None
+
     def latest_meta(self) -> tuple[int, dict] | None:
         """``(step, meta)`` of the newest step whose files look intact (a cheap check).
 
@@ -285,7 +513,8 @@ class Checkpoints:
             try:
                 return s, self.meta(s)
             except CheckpointError as e:
-                self._warn(s, e)
+                if not self._vanished(s):
+                    self._warn(s, e)
         if steps:
             raise CheckpointError(
                 f"no readable checkpoint in {self.directory} (steps {steps}); "
@@ -328,8 +557,7 @@ class Checkpoints:
             except CheckpointMismatchError:
                 raise
             except CheckpointError as e:
-                if not os.path.isdir(self.path(s)):  # rotated away by a writer while we read
-                    log.info("Checkpoint %d was removed while being read; trying a newer one.", s)
+                if self._vanished(s):
                     continue
                 self._warn(s, e)
                 errors.append(str(e))

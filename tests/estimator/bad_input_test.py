@@ -371,7 +371,7 @@ CASES = [
         "model_dir is a file",
         lambda c: _est(_a_file(c.fresh)).train(_batches(GOOD), max_steps=2),
         NotADirectoryError,
-        "a_file/checkpoints",
+        "model_dir is not a directory: .*a_file",
     ),
 ]
 
