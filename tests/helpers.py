@@ -83,6 +83,29 @@ def config(model_dir, **kw) -> estimator.RunConfig:
     return estimator.RunConfig(model_dir=str(model_dir), tpu_config=tpu, **kw)
 
 
+def make_estimator(
+    model_dir,
+    model_fn=model_fn,
+    *,
+    batch: int = 16,
+    ipl: int = 4,
+    params: dict | None = None,
+    use_tpu: bool = True,
+    **cfg,
+) -> estimator.TPUEstimator:
+    """The tests' estimator: ``batch`` rows in every mode, ``ipl`` steps per loop, quiet
+    logging; ``cfg`` goes to ``RunConfig`` (``tpu={...}`` to ``TPUConfig``)."""
+    return estimator.TPUEstimator(
+        model_fn,
+        config=config(model_dir, iterations_per_loop=ipl, **cfg),
+        params=params or {},
+        use_tpu=use_tpu,
+        train_batch_size=batch,
+        eval_batch_size=batch,
+        predict_batch_size=batch,
+    )
+
+
 def params_of(est) -> dict:
     names = est.get_variable_names()
     return {n: est.get_variable_value(n) for n in names}
@@ -94,4 +117,12 @@ def assert_params_close(a: dict, b: dict, **tol):
         np.testing.assert_allclose(np.asarray(a[k]), np.asarray(b[k]), err_msg=k, **tol)
 
 
-__all__ = ["jax", "make_data", "model_fn", "train_input_fn", "eval_input_fn", "config"]
+__all__ = [
+    "jax",
+    "make_data",
+    "model_fn",
+    "train_input_fn",
+    "eval_input_fn",
+    "config",
+    "make_estimator",
+]

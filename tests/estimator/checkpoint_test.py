@@ -29,14 +29,12 @@ pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptio
 
 
 def _est(model_dir) -> estimator.TPUEstimator:
-    return estimator.TPUEstimator(
-        h.model_fn,
+    return h.make_estimator(
+        model_dir,
         params={"batch_norm": True},
-        config=h.config(
-            model_dir, iterations_per_loop=2, save_checkpoints_steps=2, keep_checkpoint_max=None
-        ),
-        train_batch_size=16,
-        eval_batch_size=16,
+        ipl=2,
+        save_checkpoints_steps=2,
+        keep_checkpoint_max=None,
     )
 
 

@@ -12,14 +12,8 @@ import hooks
 from tests import helpers as h
 
 
-def _est(model_dir, model_fn=h.model_fn, *, ipl=5, batch=16, **cfg):
-    return estimator.TPUEstimator(
-        model_fn,
-        config=h.config(model_dir, iterations_per_loop=ipl, **cfg),
-        train_batch_size=batch,
-        eval_batch_size=batch,
-        predict_batch_size=batch,
-    )
+def _est(model_dir, model_fn=h.model_fn, *, ipl=5, **kw):
+    return h.make_estimator(model_dir, model_fn, ipl=ipl, **kw)
 
 
 def test_logging_hook_every_3_steps_with_loops_of_5(tmp_path, caplog):

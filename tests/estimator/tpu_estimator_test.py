@@ -8,17 +8,7 @@ import estimator
 import hooks
 from tests import helpers as h
 
-
-def _est(model_dir, *, use_tpu=True, batch=16, ipl=4, params=None, **cfg):
-    return estimator.TPUEstimator(
-        h.model_fn,
-        config=h.config(model_dir, iterations_per_loop=ipl, **cfg),
-        params=params or {},
-        use_tpu=use_tpu,
-        train_batch_size=batch,
-        eval_batch_size=batch,
-        predict_batch_size=batch,
-    )
+_est = h.make_estimator
 
 
 @pytest.mark.parametrize("batch_norm", [False, True])
