@@ -1,10 +1,15 @@
-"""Workarounds for other libraries' process-wide side effects, in one place."""
+"""Workarounds that reach into other libraries' private parts or process-wide state.
+
+Everything here may break with a new JAX, Orbax or absl release; keeping it in one module
+makes that one place to look when a pin is raised.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 
 @contextlib.contextmanager
@@ -22,3 +27,29 @@ def root_logging_untouched() -> Iterator[None]:
         for handler in list(logging.root.handlers):
             if handler not in before:
                 logging.root.removeHandler(handler)
+
+
+def jax_cluster_types() -> list:
+    """JAX's registry of cluster environments (TPU pod, Slurm, ...); empty if it moved."""
+    try:
+        from jax._src import clusters  # private: JAX has no public detection API
+    except ImportError:
+        return []
+    return list(clusters.ClusterEnv._cluster_types)
+
+
+def backends_are_initialized() -> bool:
+    """Whether JAX already created its backends (after which it cannot join a job)."""
+    from jax._src import xla_bridge  # private: no public way to ask
+
+    return xla_bridge.backends_are_initialized()
+
+
+def set_absl_flag(name: str, value: Any) -> None:
+    """Sets an absl flag (e.g. one of Orbax's) before absl has parsed argv."""
+    import orbax.checkpoint  # noqa: F401 - defines Orbax's flags
+    from absl import flags
+
+    flag = flags.FLAGS[name]
+    flag.value = value
+    flag.present = max(int(flag.present), 1)  # readable before absl parses argv

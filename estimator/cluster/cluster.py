@@ -37,6 +37,7 @@ import os
 import warnings
 from typing import Any
 
+from .. import _compat
 from ..errors import EstimatorValueError
 
 log = logging.getLogger("estimator")
@@ -117,11 +118,7 @@ def jax_cluster_environment() -> str | None:
 
     Uses JAX's ``ClusterEnv`` registry; opt-in methods (mpi4py) are not probed.
     """
-    try:
-        from jax._src import clusters
-    except ImportError:  # a JAX without the registry: no automatic detection
-        return None
-    for env in clusters.ClusterEnv._cluster_types:
+    for env in _compat.jax_cluster_types():
         if env.opt_in_only_method:
             continue
         try:
@@ -280,9 +277,7 @@ class TPUClusterResolver:
         if jax.distributed.is_initialized():  # the user started the runtime themselves
             _connected.update(wanted)
             return
-        from jax._src import xla_bridge
-
-        if xla_bridge.backends_are_initialized():
+        if _compat.backends_are_initialized():
             raise RuntimeError(
                 "TPUClusterResolver.connect() must run before JAX uses any device (a "
                 "computation, jax.devices(), jax.device_put, ...): construct the TPUEstimator "
@@ -354,12 +349,7 @@ def _use_distributed_checkpoint_barriers() -> None:
     process and deadlock. The coordination-service barrier is safe from any thread.
     """
     try:
-        import orbax.checkpoint  # noqa: F401 - defines the flag
-        from absl import flags
-
-        flag = flags.FLAGS["experimental_orbax_use_distributed_barrier"]
-        flag.value = True
-        flag.present = max(int(flag.present), 1)  # readable before absl parses argv
+        _compat.set_absl_flag("experimental_orbax_use_distributed_barrier", True)
     except Exception as e:  # noqa: BLE001 - an Orbax without the flag
         log.warning(
             "Could not switch Orbax to distributed barriers (%s); checkpoints written "
