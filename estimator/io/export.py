@@ -138,13 +138,15 @@ def _restore(
     programs: Programs, store: StateStore, specs: Any, checkpoint_path: str | None
 ) -> tuple[dict, int]:
     """The checkpoint's variables (host numpy) and global step, shaped by a 1-row trace."""
-
     rows = programs.mesh.shape[DATA]
     zeros = jax.tree.map(lambda s: np.zeros((1, rows, *s.shape[1:]), s.dtype), specs)
     chunk = Chunk(features=zeros, labels=None, mask=None, host_mask=None, steps=1, pulls=0)
+    traced = programs.traced(ModeKeys.PREDICT)
     variables, step = restore_variables(
         programs, store, ModeKeys.PREDICT, chunk, 1, checkpoint_path
     )
+    if not traced:  # predict's own trace must record the spec, not this 1-row one
+        programs.specs.pop(ModeKeys.PREDICT, None)
     return jax.tree.map(np.asarray, jax.device_get(variables)), step
 
 

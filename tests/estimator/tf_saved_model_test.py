@@ -180,6 +180,8 @@ def test_zoo_models_served_by_tensorflow_alone_equal_predict(tmp_path):
         mlp.export_saved_model(base, serving, fold_variables=True),
         signatures.export_saved_model(base, serving),
         cnn.export_saved_model(base, estimator.build_raw_serving_input_receiver_fn(images[:1])),
+        # Lowered for GPU and TPU serving too; TF on CPU picks the CPU lowering.
+        mlp.export_saved_model(base, serving, platforms=("cpu", "cuda", "tpu")),
     ]
     report, got = _serve(
         tmp_path, [(p, {"features": images if i == 3 else rows}) for i, p in enumerate(paths)]
@@ -199,6 +201,7 @@ def test_zoo_models_served_by_tensorflow_alone_equal_predict(tmp_path):
         "classify": _sig(features, {"classes": ["string", [-1]], "scores": ["float32", [-1, 10]]}),
         "regress": _sig(features, {"outputs": ["float32", [-1]]}),
     }
+    assert reports[4]["signatures"] == reports[0]["signatures"]
     assert reports[3]["signatures"] == {
         "serving_default": _sig({"features": ["float32", [-1, 8, 8, 1]]}, default)
     }
@@ -217,7 +220,7 @@ def test_zoo_models_served_by_tensorflow_alone_equal_predict(tmp_path):
 
     # Every signature, on batches of 1 and 7, against est.predict.
     for batch in (1, 7):
-        for i, name in ((0, "mlp"), (1, "mlp"), (3, "cnn")):
+        for i, name in ((0, "mlp"), (1, "mlp"), (3, "cnn"), (4, "mlp")):
             want = expected[name]
             np.testing.assert_allclose(
                 got[f"{i}/serving_default/{batch}/logits"], want["logits"], rtol=1e-5, atol=1e-5
@@ -253,7 +256,6 @@ def test_without_tensorflow_the_portable_export_is_written_and_one_line_says_how
         h.model_fn, config=h.config(tmp_path / "m"), train_batch_size=16, predict_batch_size=16
     )
     est.train(h.train_input_fn(x, y), max_steps=1)
-    want = np.stack([p["logits"] for p in est.predict(h.eval_input_fn(x[:16]))])
     monkeypatch.setitem(sys.modules, "tensorflow", None)  # ``import tensorflow`` fails
     fn = estimator.build_raw_serving_input_receiver_fn({"x": x[:1]})
     with caplog.at_level(logging.INFO, logger="estimator"):
@@ -261,5 +263,7 @@ def test_without_tensorflow_the_portable_export_is_written_and_one_line_says_how
     lines = [r.getMessage() for r in caplog.records if "SavedModel" in r.getMessage()]
     assert len(lines) == 1 and "pip install 'tpu-estimator-jax[tf]'" in lines[0], lines
     assert not os.path.exists(os.path.join(path, "saved_model.pb"))
+    # est.predict after an export (the export's 1-row trace must not stand in for predict's).
+    want = np.stack([p["logits"] for p in est.predict(h.eval_input_fn(x[:16]))])
     got = estimator.load_saved_model(path)({"x": x[:16]})["logits"]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
