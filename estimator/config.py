@@ -47,6 +47,11 @@ class TPUConfig:
       unroll_loops: unroll the per-loop ``lax.scan``. XLA:CPU runs convolutions inside a
         rolled loop far slower (jax-ml/jax#12868); ``None`` unrolls on CPU only when the
         loop is short (<= 10 steps).
+      shard_optimizer_state: keep 1/R of the optimizer state on each of the R replicas and
+        reduce-scatter gradients instead of all-reducing them (ZeRO-1/2); parameters stay
+        replicated between steps. See docs/sharding.md.
+      shard_params: keep the parameters split over the replicas too, gathered for each step's
+        forward and backward pass (ZeRO-3 / FSDP); implies ``shard_optimizer_state``.
     """
 
     iterations_per_loop: int = 2
@@ -56,12 +61,17 @@ class TPUConfig:
     input_partition_dims: Any = None
     host_call_every_n_steps: int = 1
     unroll_loops: bool | None = False
+    shard_optimizer_state: bool = False
+    shard_params: bool = False
 
     def __post_init__(self):
         _positive_int("iterations_per_loop", self.iterations_per_loop, allow_none=False)
         _positive_int("num_shards", self.num_shards)
         _positive_int("num_cores_per_replica", self.num_cores_per_replica)
         _positive_int("host_call_every_n_steps", self.host_call_every_n_steps, allow_none=False)
+        for name in ("shard_optimizer_state", "shard_params"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         mode = self.per_host_input_for_training
         if mode is True:
             mode = InputPipelineConfig.PER_HOST_V1

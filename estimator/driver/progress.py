@@ -14,6 +14,7 @@ from jax.sharding import Mesh
 import hooks as hooks_lib
 
 from ..config import RunConfig
+from ..parallel import zero
 
 log = logging.getLogger("estimator")
 
@@ -31,14 +32,16 @@ def log_startup_summary(
     params: Any,
     start_step: int,
     target: int | None,
+    opt_state: Any = None,
 ) -> None:
-    """One block at the start of training: devices, mesh, batch sizes and parameter count."""
+    """One block at the start of training: devices, mesh, batch sizes, parameter count and
+    the bytes one device holds of the parameters and of the optimizer state."""
     devices = mesh.devices.reshape(-1)
     kinds = sorted({d.device_kind for d in devices})
     log.info(
         "Training on %d %s device(s) (%s), %d process(es); mesh %s; global batch %d, "
-        "per-replica batch %d, %d replica(s); %s parameters; iterations_per_loop %d; "
-        "from step %d%s.",
+        "per-replica batch %d, %d replica(s); %s parameters; per device: parameters %s, "
+        "optimizer state %s; iterations_per_loop %d; from step %d%s.",
         len(devices),
         devices[0].platform,
         ", ".join(kinds),
@@ -48,10 +51,20 @@ def log_startup_summary(
         replica_batch,
         mesh.shape["data"],
         f"{count_parameters(params):,}",
+        format_bytes(zero.bytes_per_device(params)),
+        format_bytes(zero.bytes_per_device(opt_state)),
         config.tpu_config.iterations_per_loop,
         start_step,
         "" if target is None else f" to step {target}",
     )
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes for a person: ``"812 B"``, ``"3.2 KiB"``, ``"1.5 GiB"``."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n} B"
 
 
 def progress_enabled(setting: bool | None) -> bool:

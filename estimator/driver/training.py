@@ -292,6 +292,7 @@ def _run(job: Job, started: _Started, hooks, target_fn, watcher) -> TrainOutcome
         global_batch=global_batch,
         replica_batch=started.model_batch,
         params=started.run.state.params,
+        opt_state=started.run.state.opt_state,
         start_step=step,
         target=target_fn(step),
     )

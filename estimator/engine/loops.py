@@ -23,6 +23,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from ..parallel import zero
 from ..parallel.mesh import DATA
 from ..parallel.replica_context import is_varying
 from ..spec import ModeKeys, TPUEstimatorSpec
@@ -119,29 +120,25 @@ def constrain(tree: Any, specs: Any) -> Any:
     )
 
 
-def make_train_loop(
+def _train_step_parts(
     model: ModelFn,
-    mesh: Mesh,
     holder: SpecHolder,
     *,
     batch_size: int,
-    unroll: bool = False,
-    skip_nonfinite: bool = False,
-    var_specs: Any = None,
-    input_specs: tuple = (None, None),
+    skip_nonfinite: bool,
+    input_specs: tuple,
 ):
-    """``loop(state, batch) -> (state, (loss[n], host_tensors[n, ...]))``, state donated.
+    """The two halves of a train step: ``gradients`` (one replica's rows, inside the
+    ``shard_map`` over ``"data"``) and ``update`` (the optimizer step on reduced gradients).
 
-    ``var_specs`` ({"params": ..., collection: ...} of PartitionSpecs) keeps variables sharded
-    over ``"model"``; ``input_specs`` (features, labels) splits inputs spatially.
+    ``gradients(state, features, labels) -> (loss, grads, new_state, host)`` returns the
+    replica's own loss and gradient (replica-varying, not yet reduced) and its mutable
+    collections. ``update(state, loss, grads, new_state, place)`` applies the optimizer;
+    ``place(params, opt_state, new_state)`` returns them with their shardings.
     """
-    param_specs = None if var_specs is None else var_specs.get("params")
-    state_specs = (
-        None if var_specs is None else {k: v for k, v in var_specs.items() if k != "params"}
-    )
 
-    def step_fn(state: TrainState, batch: tuple):
-        features, labels = constrain(batch[0], input_specs[0]), constrain(batch[1], input_specs[1])
+    def gradients(state: TrainState, features, labels):
+        features, labels = constrain(features, input_specs[0]), constrain(labels, input_specs[1])
         rngs = step_rngs(jax.random.wrap_key_data(state.rng), state.step, lax.axis_index(DATA))
         mask = jnp.ones((batch_size,), jnp.float32)
         mutable = tuple(state.state)
@@ -163,12 +160,14 @@ def make_train_loop(
 
         varying = jax.tree.map(lambda a: lax.pcast(a, DATA, to="varying"), state.params)
         (loss, (new_state, host)), grads = jax.value_and_grad(loss_fn, has_aux=True)(varying)
-        grads = mean_gradients(grads)
-        loss = lax.pmean(loss, DATA)
+        return loss, grads, new_state, host
+
+    def update(state: TrainState, loss, grads, new_state, place) -> TrainState:
         tx = holder[ModeKeys.TRAIN].train_op
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = constrain(optax.apply_updates(state.params, updates), param_specs)
-        new_state = constrain(replica_mean(new_state), state_specs or None)
+        params, opt_state, new_state = place(
+            optax.apply_updates(state.params, updates), opt_state, new_state
+        )
         new = TrainState(params, new_state, opt_state, state.step + 1, state.rng, state.nonfinite)
         if skip_nonfinite:
             finite = jnp.isfinite(loss) & jnp.all(
@@ -176,7 +175,62 @@ def make_train_loop(
             )
             kept = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, state)
             new = kept._replace(step=state.step + 1, nonfinite=state.nonfinite + (~finite))
-        return new, (loss, host)
+        return new
+
+    return gradients, update
+
+
+def make_train_loop(
+    model: ModelFn,
+    mesh: Mesh,
+    holder: SpecHolder,
+    *,
+    batch_size: int,
+    unroll: bool = False,
+    skip_nonfinite: bool = False,
+    var_specs: Any = None,
+    input_specs: tuple = (None, None),
+    shard_optimizer_state: bool = False,
+    shard_params: bool = False,
+):
+    """``loop(state, batch) -> (state, (loss[n], host_tensors[n, ...]))``, state donated.
+
+    ``var_specs`` ({"params": ..., collection: ...} of PartitionSpecs) keeps variables sharded
+    over ``"model"``; ``input_specs`` (features, labels) splits inputs spatially.
+    ``shard_optimizer_state`` / ``shard_params`` shard the state over ``"data"`` as well
+    (``make_sharded_state_train_loop``).
+    """
+    param_specs = None if var_specs is None else var_specs.get("params")
+    state_specs = (
+        None if var_specs is None else {k: v for k, v in var_specs.items() if k != "params"}
+    )
+    gradients, update = _train_step_parts(
+        model,
+        holder,
+        batch_size=batch_size,
+        skip_nonfinite=skip_nonfinite,
+        input_specs=input_specs,
+    )
+    if (shard_optimizer_state or shard_params) and mesh.shape[DATA] > 1:
+        return make_sharded_state_train_loop(
+            gradients,
+            update,
+            mesh,
+            holder,
+            unroll=unroll,
+            param_specs=param_specs,
+            state_specs=state_specs,
+            shard_params=shard_params,
+        )
+
+    def place(params, opt_state, new_state):
+        return constrain(params, param_specs), opt_state, constrain(new_state, state_specs or None)
+
+    def step_fn(state: TrainState, batch: tuple):
+        loss, grads, new_state, host = gradients(state, *batch)
+        grads = mean_gradients(grads)
+        loss = lax.pmean(loss, DATA)
+        return update(state, loss, grads, replica_mean(new_state), place), (loss, host)
 
     def loop(state: TrainState, features, labels):
         return _scan(step_fn, state, (features, labels), unroll)
@@ -189,6 +243,69 @@ def make_train_loop(
         axis_names={DATA},
     )
     return jax.jit(sharded, donate_argnums=0)
+
+
+def make_sharded_state_train_loop(
+    gradients,
+    update,
+    mesh: Mesh,
+    holder: SpecHolder,
+    *,
+    unroll: bool,
+    param_specs: Any,
+    state_specs: Any,
+    shard_params: bool,
+):
+    """The train loop with optimizer state (and with ``shard_params`` parameters) split over
+    ``"data"`` (ZeRO-1/2/3; the layout rules are in ``zero``).
+
+    ``jit(scan(step))``, each step: ``shard_map`` over ``"data"`` computes every replica's
+    gradient and reduce-scatters it (each replica gets the global mean of its 1/R slice of
+    every sharded leaf); the optimizer then runs outside the ``shard_map`` on arrays split
+    over ``"data"``, so the compiler keeps each replica's update on its own slice and inserts
+    the collectives that global reductions need (``clip_by_global_norm``'s norm is the norm of
+    the whole gradient, exactly as replicated). Updated parameters are all-gathered (or, with
+    ``shard_params``, stay split and are all-gathered on entry to the next step's forward).
+    """
+
+    replicas = mesh.shape[DATA]
+
+    def step_fn(state: TrainState, batch: tuple):
+        sharded = zero.param_specs(state.params, param_specs, num_replicas=replicas)
+        scatter = jax.tree.map(zero.data_only, sharded, is_leaf=lambda x: isinstance(x, P))
+
+        def replica(state, features, labels):
+            loss, grads, new_state, host = gradients(state, features, labels)
+            grads = zero.scatter_gradients(grads, scatter)
+            return lax.pmean(loss, DATA), grads, replica_mean(new_state), host
+
+        # Only what the forward pass reads enters the shard_map (split params are gathered
+        # here); the optimizer state stays split outside it.
+        loss, grads, new_state, host = jax.shard_map(
+            replica,
+            mesh=mesh,
+            in_specs=(P(), P(DATA), P(DATA)),
+            out_specs=(P(), scatter, P(), P(DATA)),
+            axis_names={DATA},
+        )(state._replace(opt_state=None, nonfinite=None), *batch)
+        tx = holder[ModeKeys.TRAIN].train_op
+        opt_specs = zero.optimizer_specs(tx, state.opt_state, state.params, sharded)
+        at_rest = sharded if shard_params else zero.resolved_model_specs(state.params, param_specs)
+
+        def place(params, opt_state, new_state):
+            return (
+                zero.constrain(params, mesh, at_rest),
+                zero.constrain(opt_state, mesh, opt_specs),
+                zero.constrain(new_state, mesh, state_specs) if state_specs else new_state,
+            )
+
+        grads = zero.constrain(grads, mesh, sharded)
+        return update(state, loss, grads, new_state, place), (loss, host)
+
+    def loop(state: TrainState, features, labels):
+        return _scan(step_fn, state, (features, labels), unroll)
+
+    return jax.jit(loop, donate_argnums=0)
 
 
 def make_eval_loop(

@@ -69,6 +69,8 @@ class Programs:
                 skip_nonfinite=self.config.skip_nonfinite_steps,
                 var_specs=self.var_specs,
                 input_specs=self.input_specs(),
+                shard_optimizer_state=self.config.tpu_config.shard_optimizer_state,
+                shard_params=self.config.tpu_config.shard_params,
             ),
         )
 

@@ -15,7 +15,8 @@ from ..data.inputs import Chunk
 from ..errors import NoCheckpointError
 from ..io import checkpoint as ckpt_lib
 from ..io.store import StateStore
-from ..parallel import partitioning
+from ..parallel import partitioning, zero
+from ..parallel.mesh import DATA
 from ..runtime import seed_key_data
 from ..spec import ModeKeys
 from .loops import TrainState
@@ -133,7 +134,12 @@ def fresh_train_state(
         variables = jax.device_put(init_fn(jax.device_get(variables)), shardings)
     params, _ = _split(variables)
     tx = programs.spec(ModeKeys.TRAIN).train_op
-    opt_state = jax.jit(tx.init)(params)  # slots take their parameter's sharding
+    shardings = _over_replicas(programs, params, jax.eval_shape(tx.init, params))
+    if shardings is not None:  # split over replicas: the full state never exists on a device
+        params = variables["params"] = jax.device_put(params, shardings[0])
+        opt_state = jax.jit(tx.init, out_shardings=shardings[1])(params)
+    else:
+        opt_state = jax.jit(tx.init)(params)  # slots take their parameter's sharding
     # Scalars such as Adam's count come back on one device: put them on the mesh, or the
     # second loop call would see a new input sharding and compile again.
     replicated = NamedSharding(programs.mesh, P())
@@ -146,6 +152,38 @@ def fresh_train_state(
         **_place(programs.mesh, {"step": jnp.int32(0), "rng": args[0], "nonfinite": jnp.int32(0)}),
     }
     return to_train_state(variables, train)
+
+
+def _param_model_specs(programs: Programs) -> Any:
+    return None if programs.var_specs is None else programs.var_specs.get("params")
+
+
+def _over_replicas(programs: Programs, params: Any, opt_state: Any) -> tuple[Any, Any] | None:
+    """(params, opt_state) shardings split over replicas (``TPUConfig.shard_optimizer_state``
+    / ``shard_params``); None when the state is replicated."""
+    tpu, mesh = programs.config.tpu_config, programs.mesh
+    if not (tpu.shard_optimizer_state or tpu.shard_params) or mesh.shape[DATA] == 1:
+        return None
+    tx = programs.spec(ModeKeys.TRAIN).train_op
+    return zero.state_shardings(
+        mesh, tx, params, opt_state, _param_model_specs(programs), shard_params=tpu.shard_params
+    )
+
+
+def _with_shardings(tree: Any, shardings: Any) -> Any:
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+    )
+
+
+def _gathered(programs: Programs, variables: dict) -> dict:
+    """Variables whose params are split over replicas (``shard_params``), whole again."""
+    if not programs.config.tpu_config.shard_params or programs.mesh.shape[DATA] == 1:
+        return variables
+    params, rest = _split(variables)
+    specs = zero.resolved_model_specs(params, _param_model_specs(programs))
+    whole = zero.named(programs.mesh, specs)
+    return {"params": jax.jit(lambda p: p, out_shardings=whole)(params), **rest}
 
 
 def restore_train_state(
@@ -162,6 +200,10 @@ def restore_train_state(
     variables = abstract_variables(programs, ModeKeys.TRAIN, chunk, batch_size)
     params, _ = _split(variables)
     train = _replicated(programs.mesh, _train_extras(programs, params))
+    shardings = _over_replicas(programs, params, train["opt_state"])
+    if shardings is not None:  # Orbax restores each array straight into its shard layout
+        variables["params"] = _with_shardings(params, shardings[0])
+        train["opt_state"] = _with_shardings(train["opt_state"], shardings[1])
     got = ckpts.restore_latest(variables=variables, train=train, quarantine=True)
     if got is None:
         return None
@@ -191,7 +233,7 @@ def restore_variables(
             if not programs.traced(mode):  # trace model_fn once so its spec is known
                 abstract_variables(programs, mode, chunk, batch_size)
             variables, _ = train_state_parts(last.state)
-            return variables, last.step
+            return _gathered(programs, variables), last.step
     template = abstract_variables(programs, mode, chunk, batch_size)
     got = ckpts.restore_latest(variables=template, step=step)
     if got is None:

@@ -11,7 +11,7 @@ With ``--probe`` it only joins the job and checks the cross-process helpers, pri
 
 Usage:
   python -m tests.estimator._multihost_job MODEL_DIR OUT_DIR [--max_steps 18] [--sleep 0]
-      [--sleep_from 0] [--train_only]
+      [--sleep_from 0] [--train_only] [--shard_params]
   python -m tests.estimator._multihost_job --probe
 """
 
@@ -53,10 +53,14 @@ def job_config(max_steps: int = MAX_STEPS):
     return config
 
 
-def build(model_dir: str, *, cluster=None, max_steps: int = MAX_STEPS):
-    """The estimator and input_fns of the shrunk default job."""
+def build(model_dir: str, *, cluster=None, max_steps: int = MAX_STEPS, shard_params=False):
+    """The estimator and input_fns of the shrunk default job (``shard_params``: parameters and
+    optimizer state split over the replicas)."""
     config = job_config(max_steps)
     run_config = jobs.run_config(config, model_dir).replace(cluster=cluster)
+    if shard_params:
+        tpu = run_config.tpu_config.replace(shard_params=True)
+        run_config = run_config.replace(tpu_config=tpu)
     est = estimator.TPUEstimator(
         models.MODELS[config.model],
         config=run_config,
@@ -142,9 +146,12 @@ def main(argv=None) -> int:
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--sleep_from", type=int, default=0)
     parser.add_argument("--train_only", action="store_true")
+    parser.add_argument("--shard_params", action="store_true")
     args = parser.parse_args(argv)
     resolver = TPUClusterResolver()  # reads TF_CONFIG
-    est, input_fns = build(args.model_dir, cluster=resolver, max_steps=args.max_steps)
+    est, input_fns = build(
+        args.model_dir, cluster=resolver, max_steps=args.max_steps, shard_params=args.shard_params
+    )
     import jax
 
     latest = est.latest_checkpoint()
@@ -163,6 +170,12 @@ def main(argv=None) -> int:
         hooks=[_LoopPrinter(args.sleep, args.sleep_from)],
     )
     out["final_step"] = int(os.path.basename(est.latest_checkpoint()))
+    if args.shard_params:  # what one device holds: (params, optimizer state) bytes
+        state = est._live[1]
+        out["bytes_per_device"] = [
+            sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards[:1])
+            for tree in (state.params, state.opt_state)
+        ]
     if not args.train_only:
         results = est.evaluate(input_fns["eval"])
         out["eval"] = {k: float(v) for k, v in results.items()}
