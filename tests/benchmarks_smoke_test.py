@@ -33,6 +33,7 @@ EXPECTED = {
     ],
     "input_overlap": [("mlp", "2", "1x")],
     "startup": [("estimator", "cold"), ("estimator", "warm")],
+    "sharded_state": [("replicated",), ("shard_optimizer_state",), ("shard_params",)],
 }
 
 
