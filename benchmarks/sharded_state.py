@@ -102,14 +102,14 @@ def make_estimator(layout: str, model_dir: str, size: dict) -> estimator.TPUEsti
 
 def state_bytes(est: estimator.TPUEstimator) -> tuple[int, int]:
     """Bytes one device holds of (params, optimizer state) of the estimator's live state."""
-    state = est._live[1]
+    state = est._job.store.last.state
     return zero.bytes_per_device(state.params), zero.bytes_per_device(state.opt_state)
 
 
 def program_bytes(est: estimator.TPUEstimator, size: dict) -> int:
     """Per-device bytes of the compiled train loop (XLA ``memory_analysis``)."""
-    state = est._live[1]
-    loop = est._loop(estimator.ModeKeys.TRAIN, size["batch"] // est.num_replicas)
+    state = est._job.store.last.state
+    loop = est._job.programs.train(size["batch"] // est.num_replicas)
     sharding = NamedSharding(est.mesh, P(None, "data"))
     xs = jax.ShapeDtypeStruct(
         (size["ipl"], size["batch"], FEATURES), jnp.float32, sharding=sharding
@@ -187,7 +187,10 @@ def main(argv=None) -> str | None:
         "program MiB/device",
         "peak MiB (probe)",
     ]
-    params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(ests["replicated"]._live[1].params))
+    params = sum(
+        int(np.prod(a.shape))
+        for a in jax.tree.leaves(ests["replicated"]._job.store.last.state.params)
+    )
     notes = [
         f"MLP {FEATURES}-{size['hidden']}-{size['hidden']}-{CLASSES} ({params:,} parameters), "
         f"Adam, global batch {size['batch']}, iterations_per_loop {size['ipl']}, "

@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     )
     out["final_step"] = int(os.path.basename(est.latest_checkpoint()))
     if args.shard_params:  # what one device holds: (params, optimizer state) bytes
-        state = est._live[1]
+        state = est._job.store.last.state
         out["bytes_per_device"] = [
             sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards[:1])
             for tree in (state.params, state.opt_state)

@@ -13,11 +13,16 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import estimator
-from estimator.export import build_raw_serving_input_receiver_fn, load_saved_model
+from estimator.driver.progress import format_bytes
 from estimator.parallel import zero
-from estimator.progress import format_bytes
 from models import datasets, mlp, transformer
 from tests import helpers as h
+
+
+def _state(est):
+    """The TrainState the estimator's last train() left (its final checkpoint's)."""
+    return est._job.store.last.state
+
 
 MODES = {
     "replicated": {},
@@ -198,8 +203,8 @@ def test_mlp_trains_to_the_same_params_as_replicated(mlp_runs, mode):
     base, sharded = mlp_runs["replicated"][0], mlp_runs[mode][0]
     h.assert_params_close(h.params_of(base), h.params_of(sharded), rtol=1e-5, atol=1e-6)
     for est in (base, sharded):  # the NaN batch was skipped, on every replica together
-        assert int(est._live[1].nonfinite) == 1
-        assert int(est._live[1].step) == STEPS
+        assert int(_state(est).nonfinite) == 1
+        assert int(_state(est).step) == STEPS
     # host_call ran every step, in order, on every replica's rows, in both layouts
     expected = [step for step in range(STEPS) for _ in range(8)]
     assert mlp_runs[mode][1].steps == mlp_runs["replicated"][1].steps == expected
@@ -207,13 +212,13 @@ def test_mlp_trains_to_the_same_params_as_replicated(mlp_runs, mode):
 
 @pytest.mark.parametrize("mode", ["optimizer_state", "params"])
 def test_each_device_holds_an_eighth_of_the_optimizer_state(mlp_runs, mode):
-    state = mlp_runs[mode][0]._live[1]
+    state = _state(mlp_runs[mode][0])
     device = jax.devices()[0]
     total = sum(x.nbytes for x in jax.tree.leaves(state.opt_state))
     held = _per_device_bytes(state.opt_state, device)
     assert held <= total / 8 + _small_leaf_bytes(state.opt_state)
     assert held < total / 4  # most of it is split
-    full = mlp_runs["replicated"][0]._live[1]
+    full = _state(mlp_runs["replicated"][0])
     assert _per_device_bytes(full.opt_state, device) == total
     params = sum(x.nbytes for x in jax.tree.leaves(state.params))
     held_params = _per_device_bytes(state.params, device)
@@ -228,7 +233,7 @@ def test_the_startup_line_reports_bytes_per_device(mlp_runs, mode):
     est, record, _ = mlp_runs[mode]
     line = next(line for line in record.lines if "per device" in line)
     # the state at the start had the layout the final state has: measure that one
-    state, device = est._live[1], jax.devices()[0]
+    state, device = _state(est), jax.devices()[0]
     params, opt = (
         _per_device_bytes(state.params, device),
         _per_device_bytes(state.opt_state, device),
@@ -258,7 +263,7 @@ def test_replicated_checkpoint_resumes_split_and_matches_resuming_replicated(mlp
     h.assert_params_close(base, h.params_of(resumed["params"]), rtol=1e-5, atol=1e-6)
     split = [  # leaves whose 8 devices hold 8 different slices
         x
-        for x in jax.tree.leaves(resumed["params"]._live[1].params)
+        for x in jax.tree.leaves(_state(resumed["params"]).params)
         if len({str(s.index) for s in x.addressable_shards}) == 8
     ]
     assert split
@@ -269,8 +274,8 @@ def test_export_gathers_full_parameters(mlp_runs, tmp_path):
     fns = datasets.digits()
     x = np.concatenate([b[0] for b in fns["eval"]({"batch_size": 64})])
     want = np.array([p["class_ids"] for p in est.predict(fns["predict"])])
-    fn = build_raw_serving_input_receiver_fn(x[:1])
-    model = load_saved_model(est.export_saved_model(str(tmp_path / "export"), fn))
+    fn = estimator.build_raw_serving_input_receiver_fn(x[:1])
+    model = estimator.load_saved_model(est.export_saved_model(str(tmp_path / "export"), fn))
     np.testing.assert_array_equal(model(x)["class_ids"], want)
 
 
@@ -325,7 +330,7 @@ def test_transformer_lm_with_global_norm_clipping_trains_the_same_in_every_layou
             rtol=1e-5,
             atol=1e-6,
         )
-        opt = got[mode]._live[1].opt_state
+        opt = _state(got[mode]).opt_state
         total = sum(x.nbytes for x in jax.tree.leaves(opt))
         held = _per_device_bytes(opt, jax.devices()[0])
         assert held <= total / 8 + _small_leaf_bytes(opt)
@@ -357,8 +362,8 @@ def test_split_params_compose_with_a_model_axis(tmp_path):
     h.assert_params_close(
         h.params_of(got["replicated"]), h.params_of(got["params"]), rtol=1e-5, atol=1e-6
     )
-    kernel = got["params"]._live[1].params["hidden"]["kernel"]
+    kernel = _state(got["params"]).params["hidden"]["kernel"]
     assert kernel.sharding.spec == P("data", "model")  # 4 replicas x 2 cores
     assert {s.data.shape for s in kernel.addressable_shards} == {(4, 128)}
-    mu = got["params"]._live[1].opt_state[0].mu["hidden"]["kernel"]
+    mu = _state(got["params"]).opt_state[0].mu["hidden"]["kernel"]
     assert mu.sharding.spec == P("data", "model")
