@@ -463,7 +463,11 @@ class Checkpoints:
         while os.path.exists(target):
             n += 1
             target = f"{self.path(step)}.unreadable.{n}"
-        os.rename(self.path(step), target)
+        try:
+            os.rename(self.path(step), target)
+        except FileNotFoundError:  # another process of the job moved it first
+            self._manager.reload()
+            return
         log.warning(
             "Moved the unreadable checkpoint %s aside to %s (nothing is deleted).",
             self.path(step),

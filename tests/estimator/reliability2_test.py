@@ -72,8 +72,14 @@ def _model_fn(features, labels, mode, params):
     return spec
 
 
-def _steps_on_disk(model_dir) -> list[str]:
-    return sorted(p.name for p in (Path(model_dir) / "checkpoints").iterdir())
+def _step_dir(model_dir, step: int) -> Path:
+    """Where a step's checkpoint lives (whatever the layout names it)."""
+    return Path(ckpt_lib.Checkpoints(str(model_dir), read_only=True).path(step))
+
+
+def _on_disk(model_dir) -> list[str]:
+    """Every name in the directory that holds the step directories."""
+    return sorted(os.listdir(ckpt_lib.checkpoint_dir(str(model_dir))))
 
 
 @contextmanager
@@ -100,7 +106,7 @@ def trained(tmp_path_factory):
     base = tmp_path_factory.mktemp("trained")
     run = _est(base / "run")
     run.train(h.train_input_fn(x, y), max_steps=6)
-    at4 = run.evaluate(h.eval_input_fn(x, y), checkpoint_path=str(base / "run/checkpoints/4"))
+    at4 = run.evaluate(h.eval_input_fn(x, y), checkpoint_path=str(_step_dir(base / "run", 4)))
     to8 = _est(base / "to8")
     to8.train(h.train_input_fn(x, y), max_steps=8)
     return {"dir": base / "run", "at4": at4, "at6": h.params_of(run), "at8": h.params_of(to8)}
@@ -233,7 +239,7 @@ def test_a_save_that_did_not_happen_is_an_error(tmp_path):
     with pytest.raises(estimator.CheckpointError, match=r"step 3 .*newest is 5"):
         ckpts.save(3, variables, train, {"global_step": 3, "input_pulls": 3})
     ckpts.close()
-    assert _steps_on_disk(tmp_path) == ["5"]
+    assert ckpt_lib.Checkpoints(str(tmp_path), read_only=True).steps() == [5]
 
 
 def test_a_step_vanishing_between_listing_and_reading_is_skipped_quietly(
@@ -245,7 +251,7 @@ def test_a_step_vanishing_between_listing_and_reading_is_skipped_quietly(
     def listing_then_rotation(self):
         steps = listing(self)
         if 6 in steps:  # listed, then removed by a writer before it is read
-            shutil.rmtree(os.path.join(self.directory, "6"))
+            shutil.rmtree(self.path(6))
         return steps
 
     monkeypatch.setattr(ckpt_lib.Checkpoints, "steps", listing_then_rotation)
@@ -273,7 +279,7 @@ def test_a_model_dir_with_other_punctuation_trains_and_reads_back(tmp_path):
     est = _est(model_dir)
     est.train(h.train_input_fn(x, y), max_steps=2)
     again = _est(model_dir)
-    assert again.latest_checkpoint() == str(model_dir / "checkpoints" / "2")
+    assert again.latest_checkpoint() == str(_step_dir(model_dir, 2))
     h.assert_params_close(h.params_of(again), h.params_of(est), rtol=0, atol=0)
 
 
@@ -281,13 +287,13 @@ def test_a_model_dir_with_other_punctuation_trains_and_reads_back(tmp_path):
 def test_a_changed_optimizer_is_a_mismatch_not_damage(tmp_path, caplog):
     x, y = h.make_data()
     _est(tmp_path, optimizer="adam").train(h.train_input_fn(x, y), max_steps=4)
-    before = _steps_on_disk(tmp_path)
+    before = _on_disk(tmp_path)
     with caplog.at_level(logging.WARNING, logger="estimator"):
         with pytest.raises(estimator.CheckpointMismatchError, match="train/opt_state") as info:
             _est(tmp_path, optimizer="adamw").train(h.train_input_fn(x, y), max_steps=8)
     assert "different model_fn, params or train_op" in str(info.value)
     assert "unreadable" not in caplog.text and "Skipping" not in caplog.text
-    assert _steps_on_disk(tmp_path) == before  # nothing moved aside
+    assert _on_disk(tmp_path) == before  # nothing moved aside
 
 
 def _damage_arrays(step_dir: Path) -> None:
@@ -300,19 +306,20 @@ def _damage_arrays(step_dir: Path) -> None:
 
 def test_a_damaged_final_checkpoint_does_not_skip_the_rerun(trained, tmp_path, caplog):
     model_dir = _copy(trained, tmp_path)
-    _damage_arrays(model_dir / "checkpoints" / "6")
+    step6 = _step_dir(model_dir, 6)
+    _damage_arrays(step6)
     x, y = h.make_data()
     with caplog.at_level(logging.WARNING, logger="estimator"):
         rerun = _est(model_dir)
         rerun.train(h.train_input_fn(x, y), max_steps=6)  # the same call again
     assert "Skipping unreadable checkpoint at step 6" in caplog.text
-    assert "6.unreadable" in _steps_on_disk(model_dir)  # moved aside, not deleted
+    assert f"{step6.name}.unreadable" in _on_disk(model_dir)  # moved aside, not deleted
     h.assert_params_close(h.params_of(rerun), trained["at6"], rtol=0, atol=0)
 
 
 def test_a_one_byte_edit_of_the_meta_is_damage(trained, tmp_path, caplog):
     model_dir = _copy(trained, tmp_path)
-    path = model_dir / "checkpoints" / "6" / "meta" / "metadata"
+    path = _step_dir(model_dir, 6) / "meta" / "metadata"
     text = path.read_text()
     assert '"input_pulls": 6' in text
     path.write_text(text.replace('"input_pulls": 6', '"input_pulls": 7'))  # still valid JSON
@@ -326,14 +333,14 @@ def test_a_one_byte_edit_of_the_meta_is_damage(trained, tmp_path, caplog):
 
 def test_a_crafted_input_pulls_is_refused_not_fast_forwarded_forever(trained, tmp_path):
     model_dir = _copy(trained, tmp_path)
-    path = model_dir / "checkpoints" / "6" / "meta" / "metadata"
+    path = _step_dir(model_dir, 6) / "meta" / "metadata"
     meta = json.loads(path.read_text())
     path.write_text(json.dumps(ckpt_lib.with_checksum({**meta, "input_pulls": 10**15})))
     x, y = h.make_data()
     with _deadline(60), pytest.raises(estimator.CheckpointError, match="input_pulls") as info:
         _est(model_dir).train(h.train_input_fn(x, y), max_steps=8)  # an endless input
     assert "1000000000000000" in str(info.value)
-    assert str(model_dir / "checkpoints" / "6") in str(info.value)
+    assert str(_step_dir(model_dir, 6)) in str(info.value)
 
 
 def _bf16_model_fn(features, labels, mode, params):
