@@ -9,7 +9,7 @@ signatures). One signature per entry of the export's signature description:
 
 Example:
   >>> write_tf_saved_model(
-  ...     path, fn, variables=[("params/dense/kernel", w)],
+  ...     path, fn, variables=[("dense/kernel", w)],
   ...     inputs={"x": jax.ShapeDtypeStruct((1, 64), np.float32)}, single_input=False,
   ...     signatures={"serving_default": {"method": "tensorflow/serving/predict",
   ...                                     "outputs": {"logits": "logits"}}})
@@ -90,7 +90,7 @@ def write_tf_saved_model(
     )
     module = tf.Module()
     # Trainable=False: the SavedModel is for inference (jax2tf's converted function has no
-    # gradient); the names are the export's variable names (``params/dense/kernel``).
+    # gradient); the names are the export's variable names (``dense/kernel``).
     module.variables_list = [
         tf.Variable(value, trainable=False, name=_tf_name(name)) for name, value in variables or []
     ]
