@@ -44,8 +44,8 @@ def _check_array(value: Any, what: str, kind: str = "") -> Any:
     if not hasattr(value, "shape") or not hasattr(value, "dtype"):
         raise EstimatorTypeError(f"{what} must be an array, got {type(value).__name__}")
     if kind and np.dtype(value.dtype).kind not in kind:
-        want = {"f": "floating", "iu": "integer"}.get(kind, kind)
-        raise EstimatorTypeError(f"{what} must be a {want} array, got dtype {value.dtype}")
+        want = {"f": "a floating", "iu": "an integer"}.get(kind, kind)
+        raise EstimatorTypeError(f"{what} must be {want} array, got dtype {value.dtype}")
     return value
 
 

@@ -418,3 +418,57 @@ def test_model_parallel_variables_export_to_one_device(tmp_path):
     np.testing.assert_allclose(
         load_saved_model(path)({"x": x[:21]})["logits"], expected, rtol=1e-5, atol=1e-6
     )
+
+
+def test_signatures_follow_tfs_export_outputs_rules():
+    """io/signatures.py alone, on numpy arrays: TF's get_export_outputs rules and names."""
+    from types import SimpleNamespace
+
+    from estimator.io.signatures import export_signatures
+
+    logits, ids = np.ones((4, 3), np.float32), np.zeros(4, np.int32)
+
+    def run(export_outputs, predictions=None):
+        predictions = {"logits": logits} if predictions is None else predictions
+        spec = SimpleNamespace(predictions=predictions, export_outputs=export_outputs)
+        return export_signatures(spec)
+
+    outputs, sigs = run(None, logits)  # a lone prediction array is "output", as in TF
+    assert list(outputs) == ["output"]
+    assert sigs == {"serving_default": {"method": PREDICT, "outputs": {"output": "output"}}}
+    # One ExportOutput under another key is also serving_default; outputs keep their names.
+    outputs, sigs = run({"classify": estimator.ClassificationOutput(scores=logits, classes=ids)})
+    classify = {
+        "method": "tensorflow/serving/classify",
+        "outputs": {"scores": "scores", "classes": "classes"},
+    }
+    assert sigs == {"classify": classify, "serving_default": classify}
+    assert outputs["scores"] is logits and outputs["classes"] is ids
+    # Several: "<entry>/<output>"; a plain entry is a one-output PredictOutput of its own name.
+    outputs, sigs = run(
+        {
+            "serving_default": estimator.PredictOutput(logits),
+            "regress": estimator.RegressionOutput(logits[:, 0]),
+            "ids": ids,
+        }
+    )
+    assert sigs == {
+        "serving_default": {"method": PREDICT, "outputs": {"output": "serving_default/output"}},
+        "regress": {
+            "method": "tensorflow/serving/regress",
+            "outputs": {"outputs": "regress/outputs"},
+        },
+        "ids": {"method": PREDICT, "outputs": {"ids": "ids"}},
+    }
+    assert sorted(outputs) == ["ids", "regress/outputs", "serving_default/output"]
+    # TF's dtypes: float scores and regression values; class ids are integers here.
+    with pytest.raises(TypeError, match="ClassificationOutput scores must be a floating array"):
+        estimator.ClassificationOutput(scores=ids)
+    with pytest.raises(TypeError, match="ClassificationOutput classes must be an integer array"):
+        estimator.ClassificationOutput(classes=logits)
+    with pytest.raises(TypeError, match="RegressionOutput value must be a floating array"):
+        estimator.RegressionOutput(ids)
+    with pytest.raises(ValueError, match="needs scores or classes"):
+        estimator.ClassificationOutput()
+    with pytest.raises(TypeError, match=r"export_outputs\['p'\] must be an array"):
+        run({"p": 3})
