@@ -32,6 +32,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.iterations_per_loop = 100
     c.unroll_loops = False
     c.num_cores_per_replica = 1
+    c.shard_optimizer_state = False  # docs/sharding.md
+    c.shard_params = False
     c.save_checkpoints_steps = 200
     c.keep_checkpoint_max = 3
     c.save_summary_steps = 50

@@ -42,6 +42,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.predict_batch_size = 64
     c.max_steps = 1000
     c.iterations_per_loop = 50
+    c.shard_optimizer_state = False  # docs/sharding.md
+    c.shard_params = False
     c.save_checkpoints_steps = 500
     c.target_metric = "perplexity"
     return c

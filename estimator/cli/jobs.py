@@ -81,6 +81,8 @@ def run_config(config: ml_collections.ConfigDict, model_dir: str | None) -> RunC
             num_cores_per_replica=config.get("num_cores_per_replica", 1) or None,
             host_call_every_n_steps=config.get("host_call_every_n_steps", 1),
             unroll_loops=config.get("unroll_loops", False),
+            shard_optimizer_state=config.get("shard_optimizer_state", False),
+            shard_params=config.get("shard_params", False),
         ),
         save_checkpoints_steps=config.save_checkpoints_steps,
         keep_checkpoint_max=config.get("keep_checkpoint_max", 5),

@@ -94,6 +94,16 @@ def test_gradients_are_reduce_scattered_to_the_global_mean_of_each_slice():
     assert "reduce_scatter" in text and "all_reduce" in text  # w scattered, b all-reduced
 
 
+def test_job_configs_set_the_flags():
+    from estimator.cli import jobs
+
+    config = jobs.load_config("transformer_lm")
+    assert not jobs.run_config(config, None).tpu_config.shard_params
+    jobs.apply_overrides(config, {"shard_params": "True", "shard_optimizer_state": "True"})
+    tpu = jobs.run_config(config, None).tpu_config
+    assert tpu.shard_params and tpu.shard_optimizer_state
+
+
 def test_the_flags_must_be_bools():
     with pytest.raises(TypeError, match="shard_params"):
         estimator.TPUConfig(shard_params="yes")
