@@ -5,6 +5,10 @@ once per replica on its rows), with the ``"model"`` axis left to the compiler. A
 steps takes batches stacked ``[n, global_batch, ...]`` and returns per-step outputs stacked
 the same way, so nothing crosses to the host inside the loop.
 
+The one exception is training with state split over replicas (``TPUConfig.shard_params`` /
+``shard_optimizer_state``, docs/sharding.md): ``jit(scan(step))``, where each step's gradient
+half is a ``shard_map`` and the optimizer half runs on arrays split over ``"data"``.
+
 Gradients follow the pattern from the JAX notes: params are cast to replica-varying before
 ``grad`` and the gradient is ``pmean``-ed, which gives exactly the global-batch mean (the
 implicit psum of a replicated parameter's gradient is what silently gives R times the

@@ -367,7 +367,7 @@ def test_split_params_compose_with_a_model_axis(tmp_path):
             config=h.config(tmp_path / mode, iterations_per_loop=4, tpu=tpu),
             train_batch_size=16,
         )
-        est.train(h.train_input_fn(x, y), max_steps=8)
+        est.train(h.train_input_fn(x, y), max_steps=4)
         got[mode] = est
     h.assert_params_close(
         h.params_of(got["replicated"]), h.params_of(got["params"]), rtol=1e-5, atol=1e-6
