@@ -47,6 +47,12 @@ def _tf():
         raise ImportError(
             f"writing a TensorFlow SavedModel needs TensorFlow: {INSTALL_HINT}"
         ) from e
+    try:
+        # Converting and saving run on the CPU; a GPU build of TensorFlow would otherwise
+        # reserve the accelerator's memory that JAX holds in this process.
+        tf.config.set_visible_devices([], "GPU")
+    except RuntimeError:  # TensorFlow was already initialised by the application: leave it
+        pass
     return tf, jax2tf
 
 
