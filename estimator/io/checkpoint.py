@@ -269,6 +269,7 @@ class Checkpoints:
         """
         if step in self._manager.all_steps():
             return False
+        self._manager.wait_until_finished()  # Orbax waits too; the last rotation is done
         self._purge_rotated()
         saved = self._manager.save(
             step,
