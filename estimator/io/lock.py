@@ -17,8 +17,12 @@ When is a lock stale (taken over, with a log line naming the old holder)?
 On return (or an error, or ``Preempted``) the lock is released: the file stays, empty.
 
 Example:
-  >>> with trainer_lock("/tmp/run"):
+  >>> lock = TrainerLock("/tmp/run")
+  >>> lock.acquire()  # raises ModelDirInUseError while another trainer holds it
+  >>> try:
   ...     ...  # train
+  ... finally:
+  ...     lock.release()
 """
 
 from __future__ import annotations
@@ -32,7 +36,6 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from ..errors import EstimatorRuntimeError
@@ -170,19 +173,8 @@ class TrainerLock:
             self._beat.join()
         with contextlib.suppress(OSError):
             os.ftruncate(self._fd, 0)
-        os.close(self._fd)  # drops the flock
+            # Explicitly: a child forked meanwhile (a data loader's worker) shares the open
+            # file and would otherwise keep the lock after this close.
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
         self._fd = None
-
-
-@contextlib.contextmanager
-def trainer_lock(model_dir: str, *, take: bool = True) -> Iterator[TrainerLock | None]:
-    """Holds ``model_dir``'s trainer lock for the block (nothing when ``take`` is False)."""
-    if not take:
-        yield None
-        return
-    lock = TrainerLock(model_dir)
-    lock.acquire()
-    try:
-        yield lock
-    finally:
-        lock.release()
