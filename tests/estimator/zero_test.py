@@ -325,6 +325,16 @@ def test_transformer_lm_with_global_norm_clipping_trains_the_same_in_every_layou
         est = _lm(tmp_path / mode, mode)
         est.train(_tokens, max_steps=STEPS)
         got[mode] = est
+    # Clipping acts: the gradient's global norm at the trained params exceeds grad_clip.
+    lm_params = _state(got["replicated"]).params["TransformerLM_0"]
+    tokens, labels = next(_tokens({"batch_size": 16}))
+    module = transformer._module(_lm(tmp_path / "probe", "replicated").params)
+
+    def loss(p):
+        logits = module.apply({"params": p}, tokens, train=False)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    assert float(optax.tree.norm(jax.grad(loss)(lm_params))) > 4 * 0.05
     base = h.params_of(got["replicated"])
     embed = base["TransformerLM_0/embed/embedding"]
     assert embed.shape == (256, 32) and embed.size >= zero.MIN_SHARDED_SIZE
