@@ -16,7 +16,7 @@ from typing import Any
 
 import optax
 
-from hooks import SessionRunHook
+from hooks.base import as_hook_list
 
 
 class ModeKeys:
@@ -91,11 +91,7 @@ def validate_host_fn_tuple(value: Any, field: str) -> None:
 
 
 def _validate_hooks(hooks: Any, field: str) -> tuple:
-    hooks = tuple(hooks or ())
-    for h in hooks:
-        if not isinstance(h, SessionRunHook):
-            raise TypeError(f"All hooks in {field} must be SessionRunHook instances, given: {h!r}")
-    return hooks
+    return tuple(as_hook_list(hooks, field))
 
 
 class TPUEstimatorSpec:

@@ -22,13 +22,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from hooks import SessionRunHook
+from hooks.base import as_hook_list
 
 from . import runtime
 from .cluster.cluster import start_cluster
 from .config import RunConfig
 from .data.feeder import Feeder
-from .data.layout import BatchLayout, check_batch_size
+from .data.layout import batch_layouts
 from .driver.evaluation import run_eval_loops
 from .driver.job import Job, TrainOutcome
 from .driver.prediction import run_predict_loops
@@ -98,28 +98,18 @@ class TPUEstimator:
                 f"TPUConfig.num_shards={tpu.num_shards} does not match the {self._replicas} "
                 "replicas the devices provide"
             )
-        layouts = {
-            mode: BatchLayout(
-                mode,
-                check_batch_size(
-                    field,
-                    value,
-                    required=self._use_tpu and mode == ModeKeys.TRAIN,
-                    replicas=self._replicas,
-                    pipeline=tpu.per_host_input_for_training,
-                ),
-                replicas=self._replicas,
-                local_replicas=multihost.local_replicas(self._mesh),
-                processes=jax.process_count(),
-                pipeline=tpu.per_host_input_for_training,
-                required=self._use_tpu,
-            )
-            for mode, field, value in (
-                (ModeKeys.TRAIN, "train_batch_size", train_batch_size),
-                (ModeKeys.EVAL, "eval_batch_size", eval_batch_size),
-                (ModeKeys.PREDICT, "predict_batch_size", predict_batch_size),
-            )
+        sizes = {
+            ModeKeys.TRAIN: train_batch_size,
+            ModeKeys.EVAL: eval_batch_size,
+            ModeKeys.PREDICT: predict_batch_size,
         }
+        layouts = batch_layouts(
+            sizes,
+            replicas=self._replicas,
+            local_replicas=multihost.local_replicas(self._mesh),
+            pipeline=tpu.per_host_input_for_training,
+            use_tpu=self._use_tpu,
+        )
         self._warm_start_from = warm_start_from
         self._job = Job(
             config=self._config,
@@ -173,7 +163,7 @@ class TPUEstimator:
           NanLossDuringTrainingError: a NaN or Inf loss (no checkpoint of it is written).
         """
         _check_steps(steps, max_steps)
-        _check_hooks(hooks)
+        hooks = as_hook_list(hooks)
         self._last_outcome = run_train_loops(
             self._job,
             input_fn,
@@ -206,7 +196,7 @@ class TPUEstimator:
         """
         if steps is not None and (not isinstance(steps, int) or steps <= 0):
             raise ValueError(f"Must specify steps > 0, given: {steps}")
-        _check_hooks(hooks)
+        hooks = as_hook_list(hooks)
         return run_eval_loops(
             self._job,
             input_fn,
@@ -244,7 +234,7 @@ class TPUEstimator:
             or not all(isinstance(k, str) for k in predict_keys)
         ):
             raise TypeError(f"predict_keys must be a str or a list of str, got {predict_keys!r}")
-        _check_hooks(hooks)
+        hooks = as_hook_list(hooks)
         return run_predict_loops(
             self._job,
             input_fn,
@@ -320,20 +310,6 @@ def _model_dir(model_dir: str | None, config: RunConfig) -> str:
         log.warning("Using temporary folder as model directory: %s", chosen)
     ckpt_lib.check_model_dir(str(chosen))  # before anything is written there
     return str(chosen)
-
-
-def _check_hooks(hooks) -> None:
-    """``hooks`` must be a list of SessionRunHook; a single hook is a common slip."""
-    if isinstance(hooks, SessionRunHook):
-        raise TypeError(
-            f"hooks must be a list of SessionRunHook, got a single "
-            f"{type(hooks).__name__}; pass [hook]"
-        )
-    if hooks is not None and (isinstance(hooks, (str, bytes)) or not hasattr(hooks, "__iter__")):
-        raise TypeError(f"hooks must be a list of SessionRunHook, got {type(hooks).__name__}")
-    for hook in hooks if isinstance(hooks, (list, tuple)) else ():  # fail before any work
-        if not isinstance(hook, SessionRunHook):
-            raise TypeError(f"hooks must be SessionRunHook instances, given: {hook!r}")
 
 
 def _check_steps(steps, max_steps) -> None:

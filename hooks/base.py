@@ -201,6 +201,31 @@ class SessionRunHook:
         return None
 
 
+def as_hook_list(hooks: Any, field: str = "hooks") -> list[SessionRunHook]:
+    """``hooks`` (None or an iterable of SessionRunHook) as a list, checked.
+
+    Raises:
+      TypeError: a single hook instead of a list (a common slip), a non-iterable, or an
+        entry that is not a SessionRunHook; the message names ``field``.
+    """
+    if hooks is None:
+        return []
+    if isinstance(hooks, SessionRunHook):
+        raise TypeError(
+            f"{field} must be a list of SessionRunHook, got a single "
+            f"{type(hooks).__name__}; pass [hook]"
+        )
+    if isinstance(hooks, (str, bytes)) or not hasattr(hooks, "__iter__"):
+        raise TypeError(f"{field} must be a list of SessionRunHook, got {type(hooks).__name__}")
+    out = list(hooks)
+    for hook in out:
+        if not isinstance(hook, SessionRunHook):
+            raise TypeError(
+                f"All hooks in {field} must be SessionRunHook instances, given: {hook!r}"
+            )
+    return out
+
+
 def resolve_fetches(fetches: Fetches, lookup: Mapping[str, Any] | Callable[[str], Any]) -> Any:
     """Replaces every name in ``fetches`` by its value, keeping the structure.
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from ..config import InputPipelineConfig
@@ -140,3 +141,29 @@ def check_batch_size(
             f"{field}={value} is not divisible by the number of replicas ({replicas})"
         )
     return int(value)
+
+
+def batch_layouts(
+    sizes: dict[str, object], *, replicas: int, local_replicas: int, pipeline: int, use_tpu: bool
+) -> dict[str, BatchLayout]:
+    """The layout of each mode from the estimator's ``*_batch_size`` arguments (checked:
+    ``use_tpu=True`` requires the training batch size at construction, the others when used).
+    """
+    return {
+        mode: BatchLayout(
+            mode,
+            check_batch_size(
+                _BATCH_FIELDS[mode],
+                value,
+                required=use_tpu and mode == "train",
+                replicas=replicas,
+                pipeline=pipeline,
+            ),
+            replicas=replicas,
+            local_replicas=local_replicas,
+            processes=jax.process_count(),
+            pipeline=pipeline,
+            required=use_tpu,
+        )
+        for mode, value in sizes.items()
+    }

@@ -13,7 +13,7 @@ from hooks import (
     SessionRunHook,
     SessionRunValues,
 )
-from hooks.base import fetch_names, resolve_fetches
+from hooks.base import as_hook_list, fetch_names, resolve_fetches
 
 
 class Session:
@@ -44,10 +44,7 @@ class HookRunner:
     def __init__(
         self, hooks: Sequence[SessionRunHook], session: Session, *, examples_per_step: int = 0
     ):
-        for h in hooks:
-            if not isinstance(h, SessionRunHook):
-                raise TypeError(f"hooks must be SessionRunHook instances, given: {h!r}")
-        self.hooks = list(hooks)
+        self.hooks = as_hook_list(hooks)
         self.session = session
         self.examples_per_step = examples_per_step
         self._pending: list[tuple[SessionRunHook, SessionRunArgs | None]] = []
