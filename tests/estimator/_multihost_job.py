@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -191,4 +192,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    # A script is the application: it shows the library's INFO lines (the library itself
+    # configures no logging).
+    logging.basicConfig(format="%(levelname)s:%(name)s:%(message)s")
+    logging.getLogger("estimator").setLevel(logging.INFO)
     sys.exit(main())
