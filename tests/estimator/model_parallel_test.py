@@ -48,10 +48,10 @@ def test_two_cores_per_replica_matches_data_parallel(tmp_path):
     assert dict(mp.mesh.shape) == {"data": 4, "model": 2}
     h.assert_params_close(h.params_of(dp), h.params_of(mp), rtol=1e-4, atol=1e-5)
     assert mp_eval["loss"] == pytest.approx(dp_eval["loss"], rel=1e-4)
-    kernel = mp._live[1].params["hidden"]["kernel"]
+    kernel = mp._job.store.last.state.params["hidden"]["kernel"]  # the in-memory state
     assert kernel.shape == (16, 16)
     assert {s.data.shape for s in kernel.addressable_shards} == {(16, 8)}
-    full = dp._live[1].params["hidden"]["kernel"]
+    full = dp._job.store.last.state.params["hidden"]["kernel"]
     assert {s.data.shape for s in full.addressable_shards} == {(16, 16)}
 
 
