@@ -156,7 +156,7 @@ def make_estimator(
     iterations_per_loop: int,
     unroll: bool = False,
     host_call: bool = False,
-    compilation_cache_dir: str | None = None,
+    compilation_cache_dir: str | bool = False,
 ) -> estimator.TPUEstimator:
     """A TPUEstimator over every device with the benchmark's model_fn.
 

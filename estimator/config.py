@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 from typing import Any
 
 
@@ -106,8 +107,9 @@ class RunConfig:
     as in TF; a checkpoint is always written when ``train`` ends. Both given is an error.
 
     Keyword-only extensions over TF's fields:
-      compilation_cache_dir: turns on JAX's persistent compilation cache there (``True``:
-        ``<model_dir>/compilation_cache``).
+      compilation_cache_dir: where JAX's persistent compilation cache lives; it is on by
+        default (``None`` or ``True``: ``$TPU_ESTIMATOR_COMPILATION_CACHE_DIR``, else
+        ``~/.cache/tpu-estimator/jax``), ``False`` turns it off (``estimator.compilation``).
       skip_nonfinite_steps: skip (on every replica together) a step whose loss or gradients
         are not finite, count it in the ``nonfinite_steps`` summary, and keep training.
       progress_bar: a tqdm bar on a terminal (``None``: when stderr is a terminal).
@@ -156,6 +158,11 @@ class RunConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        cache = self.compilation_cache_dir
+        if cache is not None and not isinstance(cache, (bool, str, os.PathLike)):
+            raise TypeError(
+                f"compilation_cache_dir must be a path, True, False or None, got {cache!r}"
+            )
         seed = self.tf_random_seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"tf_random_seed must be an int, got {seed!r}")

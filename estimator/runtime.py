@@ -1,38 +1,49 @@
-"""Process-wide set-up a RunConfig asks for: the persistent compilation cache."""
+"""Process-wide set-up a RunConfig asks for, and host-side values the programs take."""
 
 from __future__ import annotations
 
 import logging
-import os
 
 import jax
+import numpy as np
+
+from . import compilation
 
 log = logging.getLogger("estimator")
-_CACHE_DIR: list[str] = []
 
 
 def setup(config) -> None:
-    """Turns on JAX's persistent compilation cache when the config asks for it.
+    """Process-wide set-up for ``config``: the persistent compilation cache
+    (``estimator.compilation``)."""
+    compilation.configure_cache(config.compilation_cache_dir)
 
-    Small CPU programs compile in well under JAX's default 1 s threshold and would never be
-    cached, so the threshold is lowered to 0 (see the JAX notes, section 9).
+
+def seed_key_data(seed: int | None) -> np.ndarray:
+    """Raw key data of the base RNG key (uint32[2]); ``None`` means seed 0 so runs are
+    reproducible.
+
+    Computed on the host: the same bits as ``jax.random.key_data(jax.random.key(seed))``
+    for the default threefry implementation without running (and compiling) a device op.
     """
-    cache = config.compilation_cache_dir
-    if not cache:
-        return
-    if cache is True:
-        cache = os.path.join(config.model_dir, "compilation_cache")
-    cache = os.path.abspath(str(cache))
-    if _CACHE_DIR and _CACHE_DIR[0] == cache:
-        return
-    os.makedirs(cache, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", cache)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    _CACHE_DIR[:] = [cache]
-    log.info("Persistent compilation cache in %s", cache)
+    seed = 0 if seed is None else int(seed)
+    if jax.config.jax_default_prng_impl != "threefry2x32" or not 0 <= seed < 2**31:
+        return np.asarray(jax.random.key_data(jax.random.key(seed)))
+    return np.array([0, seed], dtype=np.uint32)
 
 
-def seed_key_data(seed: int | None) -> jax.Array:
-    """Raw key data of the base RNG key; ``None`` means seed 0 so runs are reproducible."""
-    return jax.random.key_data(jax.random.key(0 if seed is None else seed))
+#: Up to this many variable elements the init program is compiled unoptimised on CPU.
+SMALL_INIT_ELEMENTS = 2_000_000
+
+
+def init_compiler_options(num_elements: int) -> dict | None:
+    """XLA options of the one-off init program: for a small model on CPU, skip the
+    optimisation passes.
+
+    The init program runs once per job. On XLA:CPU, compiling it optimised costs more than it
+    saves for small models (measured: 1.9-4.9 s against 0.4-0.6 s for a 9k-parameter MLP
+    with Adam); for large ones the unoptimised program runs slower (25 M parameters: 2.5 s
+    against 0.9 s), so they keep the default.
+    """
+    if jax.default_backend() != "cpu" or num_elements > SMALL_INIT_ELEMENTS:
+        return None
+    return {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}

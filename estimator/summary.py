@@ -35,9 +35,13 @@ from typing import Any
 import jax
 import numpy as np
 from tensorboardX import SummaryWriter
+from tensorboardX.event_file_writer import EventsWriter
+from tensorboardX.proto import event_pb2
+from tensorboardX.summary import scalar as scalar_summary
 
 _LOCAL = threading.local()
 _WRITERS: dict[str, Any] = {}
+_RESULTS: dict[str, tuple] = {}  # logdir -> (tensorboardX EventsWriter, its file)
 _LOCK = threading.Lock()
 _COUNTER = itertools.count()
 
@@ -60,6 +64,33 @@ def writer_for(logdir: str):
                 logdir=logdir, flush_secs=10, filename_suffix=suffix
             )
         return w
+
+
+def write_results(logdir: str, values: dict[str, float], step: int) -> None:
+    """Appends scalars at ``step`` to this process's one results event file in ``logdir``,
+    on disk when this returns (evaluation results, read by early-stopping hooks).
+
+    Unlike ``writer_for``'s queued writer this writes synchronously, so the file can stay open
+    across evaluations: one event file per directory per process, as TF's FileWriterCache.
+    Does nothing on processes other than 0.
+    """
+    if jax.process_index() != 0:
+        return
+    logdir = os.path.abspath(logdir)
+    with _LOCK:
+        w, path = _RESULTS.get(logdir, (None, None))
+        if w is None or not os.path.exists(path):  # new, or the directory was deleted
+            os.makedirs(logdir, exist_ok=True)
+            suffix = f".{os.getpid()}.{next(_COUNTER)}"
+            w = EventsWriter(os.path.join(logdir, "events"), suffix)
+            path = w._file_name  # noqa: SLF001 (tensorboardX keeps the name only here)
+            _RESULTS[logdir] = (w, path)
+        for name, value in values.items():
+            event = event_pb2.Event(
+                wall_time=time.time(), step=int(step), summary=scalar_summary(name, float(value))
+            )
+            w.write_event(event)
+        w.flush()
 
 
 def close(logdir: str) -> None:

@@ -152,11 +152,13 @@ class TPUEstimator:
         hooks: Sequence | None = None,
         steps: int | None = None,
         max_steps: int | None = None,
+        saving_listeners: Sequence | None = None,
     ) -> TPUEstimator:
         """Trains until ``steps`` more steps, ``max_steps`` in all, or the end of the input.
 
         Resumes from the latest checkpoint in ``model_dir``; returns when every host call,
-        hook and checkpoint write has finished.
+        hook and checkpoint write has finished. ``saving_listeners``
+        (``hooks.CheckpointSaverListener``) are called around each checkpoint it writes.
 
         Raises:
           ValueError: ``steps``/``max_steps`` both set or not positive.
@@ -171,6 +173,7 @@ class TPUEstimator:
             steps=steps,
             max_steps=max_steps,
             warm_start_from=self._warm_start_from,
+            saving_listeners=saving_listeners,
         )
         return self
 

@@ -1,7 +1,11 @@
-"""train_and_evaluate: alternate training and evaluation in one process on the same devices.
+"""train_and_evaluate: train continuously, evaluate new checkpoints, as TF does locally.
 
-Unlike TF's version there is no second session or device re-initialisation: evaluation is
-another compiled loop of the same estimator, so each loop compiles exactly once over all rounds.
+One ``train`` call runs to ``TrainSpec.max_steps`` on one input stream. Each checkpoint that
+training writes (``RunConfig.save_checkpoints_steps``/``save_checkpoints_secs``; the default
+is every 600 s) triggers an evaluation if at least ``EvalSpec.throttle_secs`` passed since
+the previous one (the first checkpoint always does), and the final checkpoint is evaluated
+once at the end. Evaluation runs in the same process on the same devices, on the state
+training holds (no reload); every loop compiles once over the whole run.
 
 Example:
   >>> estimator.train_and_evaluate(
@@ -15,6 +19,10 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
+
+import hooks as hooks_lib
+
+from .parallel import multihost
 
 log = logging.getLogger("estimator")
 
@@ -44,9 +52,10 @@ class EvalSpec:
       name: evaluations are written under ``model_dir/eval_<name>``.
       hooks: hooks for every evaluation.
       exporters: accepted for compatibility; unused.
-      start_delay_secs: no evaluation before this many seconds of training.
-      throttle_secs: at least this many seconds between evaluations (0: after every
-        checkpoint).
+      start_delay_secs: accepted for compatibility; unused, as in TF's local (one-process)
+        ``train_and_evaluate``, which evaluates the first checkpoint whenever it comes.
+      throttle_secs: at least this many seconds between evaluations triggered by
+        checkpoints (0: after every checkpoint); the final checkpoint is always evaluated.
     """
 
     input_fn: Callable
@@ -66,14 +75,48 @@ class EvalSpec:
             raise ValueError("EvalSpec.throttle_secs and start_delay_secs must be >= 0")
 
 
-def _global_step(est) -> int:
-    path = est.latest_checkpoint()
-    return 0 if path is None else int(path.rstrip("/").split("/")[-1])
+def _now() -> float:
+    """The throttle's clock (tests replace it)."""
+    return time.monotonic()
+
+
+class _EvalOnCheckpoint(hooks_lib.CheckpointSaverListener):
+    """Evaluates after a checkpoint save when the throttle allows (TF's
+    ``_NewCheckpointListenerForEvaluate``)."""
+
+    def __init__(self, est, eval_spec: EvalSpec):
+        self.est, self.spec = est, eval_spec
+        self.timer = hooks_lib.SecondOrStepTimer(
+            every_secs=eval_spec.throttle_secs, clock=lambda: _now()
+        )
+        self.result: dict | None = None
+
+    def after_save(self, session, global_step_value: int) -> None:
+        (due,) = multihost.any_of(self.timer.should_trigger_for_step(global_step_value))
+        if due:  # every process evaluates together
+            self.evaluate(global_step_value)
+        else:
+            log.info(
+                "Skipping the evaluation of checkpoint %d (throttle_secs=%s).",
+                global_step_value,
+                self.spec.throttle_secs,
+            )
+
+    def evaluate(self, step: int) -> None:
+        spec = self.spec
+        self.result = self.est.evaluate(
+            spec.input_fn, steps=spec.steps, hooks=spec.hooks, name=spec.name
+        )
+        self.timer.update_last_triggered_step(step)
+
+    @property
+    def last_step(self) -> int | None:
+        return self.timer.last_triggered_step()
 
 
 def train_and_evaluate(est, train_spec: TrainSpec, eval_spec: EvalSpec) -> tuple[dict, list]:
-    """Trains to ``train_spec.max_steps``, evaluating after checkpoints as the throttle
-    allows and once at the end.
+    """Trains to ``train_spec.max_steps`` in one ``train`` call, evaluating new checkpoints as
+    ``eval_spec.throttle_secs`` allows and the final one at the end.
 
     Returns:
       ``(last eval results, [])`` (the empty list stands for TF's export results).
@@ -82,34 +125,19 @@ def train_and_evaluate(est, train_spec: TrainSpec, eval_spec: EvalSpec) -> tuple
         raise TypeError(f"train_spec must be a TrainSpec, got {type(train_spec).__name__}")
     if not isinstance(eval_spec, EvalSpec):
         raise TypeError(f"eval_spec must be an EvalSpec, got {type(eval_spec).__name__}")
-    every = est.config.save_checkpoints_steps or est.config.tpu_config.iterations_per_loop
-    started = time.monotonic()
-    last_eval_time, last_eval_step, result = None, None, None
+    listener = _EvalOnCheckpoint(est, eval_spec)
+    est.train(
+        train_spec.input_fn,
+        hooks=train_spec.hooks,
+        max_steps=train_spec.max_steps,
+        saving_listeners=[listener],
+    )
     step = _global_step(est)
+    if listener.last_step != step:
+        listener.evaluate(step)
+    return listener.result, []
 
-    def evaluate():
-        nonlocal last_eval_time, last_eval_step, result
-        result = est.evaluate(
-            eval_spec.input_fn, steps=eval_spec.steps, hooks=eval_spec.hooks, name=eval_spec.name
-        )
-        last_eval_time, last_eval_step = time.monotonic(), step
 
-    while train_spec.max_steps is None or step < train_spec.max_steps:
-        target = step + every
-        if train_spec.max_steps is not None:
-            target = min(target, train_spec.max_steps)
-        est.train(train_spec.input_fn, hooks=train_spec.hooks, max_steps=target)
-        new_step = _global_step(est)
-        progressed, step = new_step > step, new_step
-        now = time.monotonic()
-        if now - started >= eval_spec.start_delay_secs and (
-            last_eval_time is None or now - last_eval_time >= eval_spec.throttle_secs
-        ):
-            evaluate()
-        outcome = est.last_train_outcome
-        if not progressed or step < target or (outcome and outcome.stopped_by_hook):
-            log.info("Training stopped at step %d (input ended or a hook requested stop).", step)
-            break
-    if last_eval_step != step:
-        evaluate()
-    return result, []
+def _global_step(est) -> int | None:
+    path = est.latest_checkpoint()
+    return None if path is None else int(path.rstrip("/").split("/")[-1].split("-")[-1])

@@ -34,6 +34,7 @@ EXPECTED = {
     "input_overlap": [("mlp", "2", "1x")],
     "startup": [("estimator", "cold"), ("estimator", "warm")],
     "sharded_state": [("replicated",), ("shard_optimizer_state",), ("shard_params",)],
+    "vs_tensorflow": [("estimator", "cold"), ("estimator", "warm")],
 }
 
 
@@ -58,7 +59,8 @@ def fast_compiles():
         jax.config.update("jax_disable_most_optimizations", before)
 
 
-def test_every_benchmark_runs_quick_and_prints_its_rows(capsys, fast_compiles):
+def test_every_benchmark_runs_quick_and_prints_its_rows(capsys, fast_compiles, monkeypatch):
+    monkeypatch.delenv("TPU_ESTIMATOR_TF_PYTHON", raising=False)  # no TensorFlow row
     for name, expected in EXPECTED.items():
         module = importlib.import_module(f"benchmarks.{name}")
         text = module.main(["--quick"])
@@ -81,6 +83,9 @@ def test_every_benchmark_runs_quick_and_prints_its_rows(capsys, fast_compiles):
             assert len({r[_column(text, "accuracy")] for r in rows}) == 1, rows
             compiles = _column(text, "compiles per call")
             assert [r[compiles] for r in rows if r[2] == "estimator"] == ["0"], rows
+        if name in ("startup", "vs_tensorflow"):  # a warm start loads every program
+            compiles = _column(text, "XLA compiles")
+            assert rows[1][compiles].startswith("0 ("), rows
         if name == "train_throughput":  # a warm estimator's train call compiles nothing
             compiles = _column(text, "compiles/call")
             assert [r[compiles] for r in rows if r[2] == "estimator"] == ["0"], rows

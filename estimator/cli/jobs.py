@@ -73,6 +73,12 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides: dict[str, str]
             raise TypeError(f"--config.{key}={raw!r}: {e}") from None
 
 
+def _cache_setting(value):
+    """A config's ``compilation_cache_dir``: ``""``/None the default cache, False off, or a
+    path (``--config.compilation_cache_dir=False`` arrives as the bool)."""
+    return None if value == "" else value
+
+
 def run_config(config: ml_collections.ConfigDict, model_dir: str | None) -> RunConfig:
     return RunConfig(
         model_dir=model_dir,
@@ -89,7 +95,7 @@ def run_config(config: ml_collections.ConfigDict, model_dir: str | None) -> RunC
         save_summary_steps=config.get("save_summary_steps", 100),
         log_step_count_steps=config.get("log_step_count_steps", 100),
         tf_random_seed=config.get("seed", 0),
-        compilation_cache_dir=config.get("compilation_cache_dir", None) or None,
+        compilation_cache_dir=_cache_setting(config.get("compilation_cache_dir", None)),
         cluster=from_environment(),  # TF_CONFIG or a TPU pod / Slurm job: join it
     )
 

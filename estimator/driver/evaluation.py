@@ -140,12 +140,7 @@ def _write_results(eval_dir: str, results: dict) -> None:
         results["global_step"],
         ", ".join(f"{k} = {v}" for k, v in sorted(results.items())),
     )
-    writer = summary.writer_for(eval_dir)
-    if writer is None:
-        return
-    for key, value in results.items():
-        if key != "global_step" and np.ndim(value) == 0:
-            writer.add_scalar(key, float(value), global_step=results["global_step"])
-    # tensorboardX's flush() does not wait for its queue; closing does, so early-stopping
-    # hooks and other readers see these results as soon as evaluate returns.
-    summary.close(eval_dir)
+    scalars = {k: v for k, v in results.items() if k != "global_step" and np.ndim(v) == 0}
+    # One event file per directory per process, on disk when evaluate returns (early-stopping
+    # hooks read it).
+    summary.write_results(eval_dir, scalars, results["global_step"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from typing import Any
 
 import jax
@@ -13,6 +14,7 @@ from jax.sharding import Mesh
 
 import hooks as hooks_lib
 
+from ..compilation import CompileCounter
 from ..config import RunConfig
 from ..parallel import zero
 
@@ -21,6 +23,61 @@ log = logging.getLogger("estimator")
 
 def count_parameters(params: Any) -> int:
     return int(sum(np.prod(np.shape(x)) for x in jax.tree.leaves(params)))
+
+
+class Startup:
+    """The clock (from ``since``, ``time.monotonic()`` when ``train()`` was called) and the
+    XLA compile count up to the first step.
+
+    ``close()`` it when training ends; ``StartupSummaryHook`` reads it after the first loop.
+    """
+
+    def __init__(self, *, since: float | None = None):
+        self.started = time.monotonic() if since is None else since
+        self.compiles = CompileCounter().__enter__()
+        self.seconds: float | None = None
+
+    def first_step_done(self) -> float:
+        """Seconds since ``train()`` was called; stops the compile count."""
+        if self.seconds is None:
+            self.seconds = time.monotonic() - self.started
+            self.close()
+        return self.seconds
+
+    def close(self) -> None:
+        self.compiles.__exit__(None, None, None)
+
+
+class StartupSummaryHook(hooks_lib.SessionRunHook):
+    """Logs the start-up summary after the first loop (``log_startup_summary``), with the
+    time to the first step; the XLA compilations until then at DEBUG."""
+
+    def __init__(self, mesh: Mesh, config: RunConfig, startup: Startup, **fields):
+        self._mesh, self._config, self._startup = mesh, config, startup
+        # Shapes and shardings only: the arrays themselves are donated to the first loop.
+        for key in ("params", "opt_state"):
+            fields[key] = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                fields.get(key),
+            )
+        self._fields = fields
+        self._done = False
+
+    def after_run(self, run_context, run_values) -> None:
+        if self._done:
+            return
+        self._done = True
+        seconds = self._startup.first_step_done()
+        log_startup_summary(self._mesh, self._config, **self._fields, first_step_secs=seconds)
+        c = self._startup.compiles
+        log.debug(
+            "XLA compilations before the first step: %d compiled, %d loaded from the "
+            "persistent cache (%.2f s): %s",
+            c.compiled,
+            c.cache_hits,
+            c.seconds,
+            ", ".join(c.names),
+        )
 
 
 def log_startup_summary(
@@ -33,15 +90,16 @@ def log_startup_summary(
     start_step: int,
     target: int | None,
     opt_state: Any = None,
+    first_step_secs: float,
 ) -> None:
-    """One block at the start of training: devices, mesh, batch sizes, parameter count and
-    the bytes one device holds of the parameters and of the optimizer state."""
+    """One block: devices, mesh, batch sizes, parameter count, the bytes one device holds of
+    the parameters and of the optimizer state, and the time to the first step."""
     devices = mesh.devices.reshape(-1)
     kinds = sorted({d.device_kind for d in devices})
     log.info(
         "Training on %d %s device(s) (%s), %d process(es); mesh %s; global batch %d, "
         "per-replica batch %d, %d replica(s); %s parameters; per device: parameters %s, "
-        "optimizer state %s; iterations_per_loop %d; from step %d%s.",
+        "optimizer state %s; iterations_per_loop %d; from step %d%s; first step after %.2f s.",
         len(devices),
         devices[0].platform,
         ", ".join(kinds),
@@ -56,6 +114,7 @@ def log_startup_summary(
         config.tpu_config.iterations_per_loop,
         start_step,
         "" if target is None else f" to step {target}",
+        first_step_secs,
     )
 
 

@@ -24,7 +24,7 @@ from ..engine.loops import TrainState
 from ..engine.state import fresh_train_state, restore_train_state, train_state_parts
 from ..io.checkpoint import Checkpoints, checked_input_pulls
 from ..io.lock import TrainerLock
-from ..io.store import LastState
+from ..io.store import LastState, StateStore
 from ..parallel import multihost
 from ..scaffold import fresh_init_fn
 from ..spec import ModeKeys
@@ -55,10 +55,20 @@ class _Run:
 
 
 class _Saver:
-    """Writes checkpoints at the configured cadence and at the end; never twice a step."""
+    """Writes checkpoints at the configured cadence and at the end; never twice a step.
 
-    def __init__(self, config: RunConfig, ckpts: Checkpoints, run: _Run):
-        self.ckpts, self.run = ckpts, run
+    ``listeners`` (``CheckpointSaverListener``s, e.g. train_and_evaluate's evaluation) are
+    called around each save; while their ``after_save`` runs, the store's last state is the
+    one just saved, so an evaluation reads it without reloading. One returning True asks
+    training to stop (``stop_requested``).
+    """
+
+    def __init__(
+        self, config: RunConfig, ckpts: Checkpoints, run: _Run, store: StateStore, listeners=()
+    ):
+        self.ckpts, self.run, self.store = ckpts, run, store
+        self.listeners, self.session = list(listeners), None
+        self.stop_requested = False
         self.every_steps = config.save_checkpoints_steps
         self.every_secs = config.checkpoint_every_secs
         self.last_step = None
@@ -69,11 +79,25 @@ class _Saver:
         step = int(jax.device_get(state.step)) if step is None else step
         if step == self.last_step:
             return self.ckpts.path(step)
+        for listener in self.listeners:
+            listener.before_save(self.session, step)
         variables, train = train_state_parts(state)
-        self.ckpts.save(step, variables, train, self.meta(step))
+        meta = self.meta(step)
+        self.ckpts.save(step, variables, train, meta)
         log.info("Saving checkpoints for %d into %s.", step, self.ckpts.path(step))
         self.last_step, self.last_time = step, time.monotonic()
+        if self.listeners:
+            self._after_save(LastState(step, state, meta))
         return self.ckpts.path(step)
+
+    def _after_save(self, saved: LastState) -> None:
+        self.store.remember(saved)
+        try:
+            for listener in self.listeners:
+                if listener.after_save(self.session, saved.step):
+                    self.stop_requested = True
+        finally:
+            self.store.forget()  # the state goes on to be donated to the next loop
 
     def meta(self, step: int) -> dict:
         """The JSON meta of a checkpoint: the step and the input position after it."""
@@ -218,15 +242,19 @@ def _planned_last_steps(user_hooks, start_step: int) -> list[int]:
 
 
 def run_train_loops(
-    job: Job, input_fn, *, hooks, steps, max_steps, warm_start_from=None
+    job: Job, input_fn, *, hooks, steps, max_steps, warm_start_from=None, saving_listeners=()
 ) -> TrainOutcome:
-    """Trains until ``steps`` more, ``max_steps`` in all, a hook's stop or the input's end.
+    """Trains until ``steps`` more, ``max_steps`` in all, a hook's stop or the input's end;
+    ``saving_listeners`` (``CheckpointSaverListener``) are called around every checkpoint.
 
     Raises:
       ModelDirInUseError: another trainer holds the model_dir (see ``io/lock.py``).
     """
+    called = time.monotonic()
+    saving_listeners = _checked_listeners(saving_listeners)
     lock = TrainerLock(job.model_dir)  # one trainer per model_dir; process 0 holds it
     multihost.run_on_process_0(lock.acquire, f"locking model_dir {job.model_dir}")
+    startup = progress.Startup(since=called)
     try:
         return _train_locked(
             job,
@@ -235,12 +263,17 @@ def run_train_loops(
             steps=steps,
             max_steps=max_steps,
             warm_start_from=warm_start_from,
+            saving_listeners=saving_listeners,
+            startup=startup,
         )
     finally:
+        startup.close()
         lock.release()
 
 
-def _train_locked(job: Job, input_fn, *, hooks, steps, max_steps, warm_start_from):
+def _train_locked(
+    job: Job, input_fn, *, hooks, steps, max_steps, warm_start_from, saving_listeners, startup
+):
     ckpts = job.store.writer()
     latest = ckpts.latest_meta()  # the newest step that looks intact
     if max_steps is not None and latest and latest[0] >= max_steps:
@@ -265,7 +298,23 @@ def _train_locked(job: Job, input_fn, *, hooks, steps, max_steps, warm_start_fro
         started = _start(job, input_fn, latest, target_fn, warm_start_from)
         if started is None:
             return TrainOutcome(start_step, trained=False)
-        return _run(job, started, hooks, target_fn, watcher)
+        return _run(job, started, hooks, target_fn, watcher, startup, saving_listeners)
+
+
+def _checked_listeners(listeners) -> list:
+    """``saving_listeners`` as a list of CheckpointSaverListener (checked before any work)."""
+    if listeners is None:
+        return []
+    if not isinstance(listeners, (list, tuple)):
+        raise TypeError(
+            f"saving_listeners must be a list of CheckpointSaverListener, got {listeners!r}"
+        )
+    for listener in listeners:
+        if not isinstance(listener, hooks_lib.CheckpointSaverListener):
+            raise TypeError(
+                f"saving_listeners must be CheckpointSaverListener instances, given: {listener!r}"
+            )
+    return list(listeners)
 
 
 def _check_loss_dtype(spec) -> None:
@@ -278,7 +327,9 @@ def _check_loss_dtype(spec) -> None:
         )
 
 
-def _run(job: Job, started: _Started, hooks, target_fn, watcher) -> TrainOutcome:
+def _run(
+    job: Job, started: _Started, hooks, target_fn, watcher, startup, saving_listeners
+) -> TrainOutcome:
     try:
         _check_loss_dtype(job.programs.spec(ModeKeys.TRAIN))
     except TypeError:
@@ -286,20 +337,22 @@ def _run(job: Job, started: _Started, hooks, target_fn, watcher) -> TrainOutcome
         raise
     step = int(jax.device_get(started.run.state.step))
     global_batch = job.feeder.layout(ModeKeys.TRAIN).global_rows or started.model_batch
-    progress.log_startup_summary(
-        job.mesh,
-        job.config,
-        global_batch=global_batch,
-        replica_batch=started.model_batch,
-        params=started.run.state.params,
-        opt_state=started.run.state.opt_state,
-        start_step=step,
-        target=target_fn(step),
-    )
-    extra = []
+    extra = [
+        progress.StartupSummaryHook(
+            job.mesh,
+            job.config,
+            startup,
+            global_batch=global_batch,
+            replica_batch=started.model_batch,
+            params=started.run.state.params,
+            opt_state=started.run.state.opt_state,
+            start_step=step,
+            target=target_fn(step),
+        )
+    ]
     if progress.progress_enabled(job.config.progress_bar):
         extra.append(progress.ProgressBarHook(start=step, total=target_fn(step)))
-    return _train(job, started, list(hooks or ()) + extra, watcher)
+    return _train(job, started, list(hooks or ()) + extra, watcher, saving_listeners)
 
 
 def _loop_values(config: RunConfig, state: TrainState, losses, steps, host) -> dict:
@@ -313,18 +366,19 @@ def _loop_values(config: RunConfig, state: TrainState, losses, steps, host) -> d
     return values
 
 
-def _train(job: Job, started: _Started, user_hooks, watcher) -> TrainOutcome:
+def _train(job: Job, started: _Started, user_hooks, watcher, saving_listeners) -> TrainOutcome:
     cfg, run, prefetch = job.config, started.run, started.prefetch
     ckpts = job.store.writer()
     writer = summary.writer_for(job.model_dir)
     spec = job.programs.spec(ModeKeys.TRAIN)
-    saver = _Saver(cfg, ckpts, run)
+    saver = _Saver(cfg, ckpts, run, job.store, saving_listeners)
     step = int(jax.device_get(run.state.step))
     saver.last_step = step if ckpts.steps() else None
     global_batch = job.feeder.layout(ModeKeys.TRAIN).global_rows or started.model_batch
     session = Session(
         mode=ModeKeys.TRAIN, model_dir=job.model_dir, global_step=step, save=saver.save
     )
+    saver.session = session
     given = list(spec.training_hooks) + list(user_hooks or ())
     defaults = _default_hooks(cfg, given, writer=writer, examples_per_step=global_batch)
     all_hooks = defaults + given
@@ -333,6 +387,8 @@ def _train(job: Job, started: _Started, user_hooks, watcher) -> TrainOutcome:
     worker = HostWorker()
     every_n = cfg.tpu_config.host_call_every_n_steps
     runner.begin()
+    for listener in saver.listeners:
+        listener.begin()
     runner.after_create_session()
     chunk, preempted, stopped = started.first, False, False
     job.store.forget()  # the state is donated to the loop from here on
@@ -354,7 +410,9 @@ def _train(job: Job, started: _Started, user_hooks, watcher) -> TrainOutcome:
             stop = runner.after_run(_loop_values(cfg, run.state, losses, steps, host), steps)
             multihost.check_worker(worker, "host_call")
             saver.maybe_save(step)
-            stop, preempted = multihost.any_of(stop, watcher.requested)  # all stop together
+            stop, preempted = multihost.any_of(  # all stop together
+                stop or saver.stop_requested, watcher.requested
+            )
             if stop:
                 stopped = True
                 break
@@ -363,7 +421,11 @@ def _train(job: Job, started: _Started, user_hooks, watcher) -> TrainOutcome:
             chunk = next(prefetch, None)
         runner.end()
         multihost.check_worker(worker, "host_call", join=True)
+        if preempted:  # no evaluation or other listener work in the grace period
+            saver.listeners = []
         saver.save(step)
+        for listener in saver.listeners:
+            listener.end(session, step)
         job.store.remember(LastState(step, run.state, saver.meta(step)))
         log.info("Loss for final step: %s.", float(losses[-1]))
     finally:

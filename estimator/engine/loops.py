@@ -362,13 +362,16 @@ def make_eval_loop(
 
 
 def make_init(model: ModelFn, mesh: Mesh, holder: SpecHolder, *, mode: str, batch_size: int):
-    """``init(rng, step, features, labels) -> variables`` for one replica's batch shape.
+    """``init(rng, step, features, labels) -> variables`` from a chunk's first batch.
 
-    Runs under the same shard_map as the loops so modules that use the ``"data"`` axis (e.g.
+    ``features``/``labels`` are a chunk's stacked ``[n, global_batch, ...]`` arrays; step 0's
+    batch is taken inside the program, so setting up runs no eager device operation. Runs under
+    the same shard_map as the loops so modules that use the ``"data"`` axis (e.g.
     cross-replica BatchNorm) initialise as they will run.
     """
 
     def init(rng, step, features, labels):
+        features, labels = jax.tree.map(lambda x: x[0], (features, labels))
         key = jax.random.wrap_key_data(rng)
         rngs = step_rngs(key, step, 0)
         mask = jnp.ones((batch_size,), jnp.float32)
@@ -384,8 +387,45 @@ def make_init(model: ModelFn, mesh: Mesh, holder: SpecHolder, *, mode: str, batc
         jax.shard_map(
             init,
             mesh=mesh,
-            in_specs=(P(), P(), P(DATA), P(DATA)),
+            in_specs=(P(), P(), P(None, DATA), P(None, DATA)),
             out_specs=P(),
             axis_names={DATA},
         )
+    )
+
+
+def make_fresh_train_state(
+    init,
+    holder: SpecHolder,
+    *,
+    var_shardings: Any,
+    replicated: Any,
+    unbox,
+    with_optimizer: bool = True,
+    opt_shardings: Any = None,
+    compiler_options: dict | None = None,
+):
+    """One program for a fresh start: ``state(rng, features, labels) -> (variables,
+    opt_state, {"step", "rng", "nonfinite"})``, every output placed on the mesh.
+
+    ``init`` is ``make_init``'s TRAIN program (already traced once, so this trace reuses it);
+    ``var_shardings`` the variables' NamedShardings. ``opt_shardings`` (None: the compiler's
+    choice, which gives slots their parameter's sharding) places the optimizer state.
+    ``with_optimizer=False`` returns ``None`` for it (a scaffold may still replace variables).
+    """
+
+    def fresh(rng, features, labels):
+        step = jnp.zeros((), jnp.int32)
+        variables = unbox(init(rng, step, features, labels))
+        variables = jax.lax.with_sharding_constraint(variables, var_shardings)
+        opt_state = None
+        if with_optimizer:
+            opt_state = holder[ModeKeys.TRAIN].train_op.init(variables.get("params", {}))
+        extras = {"step": step, "rng": rng, "nonfinite": jnp.zeros((), jnp.int32)}
+        return variables, opt_state, extras
+
+    return jax.jit(
+        fresh,
+        out_shardings=(var_shardings, opt_shardings, replicated),
+        compiler_options=compiler_options,
     )

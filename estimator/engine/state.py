@@ -17,17 +17,12 @@ from ..io import checkpoint as ckpt_lib
 from ..io.store import StateStore
 from ..parallel import partitioning, zero
 from ..parallel.mesh import DATA
-from ..runtime import seed_key_data
+from ..runtime import init_compiler_options, seed_key_data
 from ..spec import ModeKeys
-from .loops import TrainState
+from .loops import TrainState, make_fresh_train_state
 from .programs import Programs
 
 log = logging.getLogger("estimator")
-
-
-def first_batch(chunk: Chunk) -> tuple[Any, Any]:
-    """Step 0's global (features, labels) of a chunk."""
-    return jax.tree.map(lambda x: x[0], (chunk.features, chunk.labels))
 
 
 def _replicated(mesh: Mesh, tree: Any) -> Any:
@@ -35,14 +30,11 @@ def _replicated(mesh: Mesh, tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
 
 
-def _place(mesh: Mesh, tree: Any) -> Any:
-    return jax.device_put(tree, NamedSharding(mesh, P()))
-
-
 def _init_args(programs: Programs, chunk: Chunk):
+    """(rng, step, features, labels) of the init program: host values and the chunk's
+    stacked arrays (step 0's batch is taken inside the program, not by an eager slice)."""
     rng = seed_key_data(programs.config.tf_random_seed)
-    features, labels = first_batch(chunk)
-    return rng, jnp.int32(0), features, labels
+    return rng, np.int32(0), chunk.features, chunk.labels
 
 
 def _trace(programs: Programs, mode: str, chunk: Chunk, fn, *args):
@@ -123,35 +115,52 @@ def train_state_parts(state: TrainState) -> tuple[dict, dict]:
 def fresh_train_state(
     programs: Programs, chunk: Chunk, batch_size: int, make_init_fn=None
 ) -> TrainState:
-    """Initialises every variable and the optimizer; ``make_init_fn()`` (called after
-    model_fn was traced, so the spec's scaffold_fn is known) may then replace variables."""
+    """Initialises every variable and the optimizer state in one compiled program.
+
+    ``make_init_fn()`` is called after model_fn was traced (so the spec's scaffold_fn is
+    known); when it returns an init_fn, the variables are replaced on the host first and the
+    optimizer state is made from them afterwards. With ``shard_optimizer_state`` /
+    ``shard_params`` the state is made split over replicas: the full state never exists on a
+    device.
+    """
     init = programs.init(ModeKeys.TRAIN, batch_size)
     args = _init_args(programs, chunk)
-    variables, shardings = _sharded(programs, _trace(programs, ModeKeys.TRAIN, chunk, init, *args))
-    variables = jax.device_put(variables, shardings)
+    # Tracing (nothing is compiled) learns the shapes, the shardings and the spec; the
+    # program below reuses this trace of model_fn.
+    boxed = _trace(programs, ModeKeys.TRAIN, chunk, jax.eval_shape, init, *args)
+    shapes, shardings = _sharded(programs, boxed)
+    tx = programs.spec(ModeKeys.TRAIN).train_op
+    params_shape = shapes.get("params", {})
+    over = _over_replicas(programs, params_shape, jax.eval_shape(tx.init, params_shape))
+    if over is not None:
+        shardings = {**shardings, "params": over[0]}
     init_fn = make_init_fn() if make_init_fn is not None else None
+    replicated = NamedSharding(programs.mesh, P())
+    elements = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+    program = make_fresh_train_state(
+        init,
+        programs.specs,
+        var_shardings=shardings,
+        replicated=replicated,
+        unbox=partitioning.unbox,
+        with_optimizer=init_fn is None,
+        opt_shardings=None if over is None else over[1],
+        compiler_options=init_compiler_options(elements),
+    )
+    rng, _, features, labels = args
+    variables, opt_state, train = program(rng, features, labels)
     if init_fn is not None:
         variables = jax.device_put(init_fn(jax.device_get(variables)), shardings)
-    params, _ = _split(variables)
-    tx = programs.spec(ModeKeys.TRAIN).train_op
-    shardings = _over_replicas(programs, params, jax.eval_shape(tx.init, params))
-    if shardings is not None:  # split over replicas: the full state never exists on a device
-        params = variables["params"] = jax.device_put(params, shardings[0])
-        opt_state = jax.jit(tx.init, out_shardings=shardings[1])(params)
-    else:
-        opt_state = jax.jit(tx.init)(params)  # slots take their parameter's sharding
-    # Scalars such as Adam's count come back on one device: put them on the mesh, or the
-    # second loop call would see a new input sharding and compile again.
-    replicated = NamedSharding(programs.mesh, P())
+        params, _ = _split(variables)
+        opt_state = jax.jit(tx.init, out_shardings=None if over is None else over[1])(params)
+    # Leaves the compiler left off the mesh (a scalar such as Adam's count may land on one
+    # device) go on it, or the second loop call would see a new input sharding and compile
+    # again.
     opt_state = jax.tree.map(
         lambda x: x if isinstance(x.sharding, NamedSharding) else jax.device_put(x, replicated),
         opt_state,
     )
-    train = {
-        "opt_state": opt_state,
-        **_place(programs.mesh, {"step": jnp.int32(0), "rng": args[0], "nonfinite": jnp.int32(0)}),
-    }
-    return to_train_state(variables, train)
+    return to_train_state(variables, {"opt_state": opt_state, **train})
 
 
 def _param_model_specs(programs: Programs) -> Any:

@@ -1,0 +1,171 @@
+"""XLA compilation, process-wide: the persistent compilation cache and a compile counter.
+
+The cache is on by default, so a second process running the same job loads every program
+from disk instead of compiling it. Where it lives, first match wins:
+
+1. ``RunConfig(compilation_cache_dir=PATH)``; ``False`` turns the cache off, ``True`` (like
+   the default ``None``) uses the locations below;
+2. the environment variable ``TPU_ESTIMATOR_COMPILATION_CACHE_DIR``: a path, or ``0`` /
+   ``off`` / ``false`` / ``no`` / ``none`` to turn the cache off;
+3. JAX's own ``jax_compilation_cache_dir``, when something else already set it;
+4. ``$XDG_CACHE_HOME/tpu-estimator/jax`` (``~/.cache/tpu-estimator/jax``).
+
+The cache is bounded (``DEFAULT_MAX_BYTES``, least recently used entries go first) unless
+``jax_compilation_cache_max_size`` was set. Clear it by deleting the directory. JAX's cache
+settings are process-wide: the estimator constructed last decides.
+
+Example:
+  >>> config = estimator.RunConfig(compilation_cache_dir=False)   # no persistent cache
+  >>> with CompileCounter() as counter:
+  ...     est.train(input_fn, max_steps=10)
+  >>> counter.compiled, counter.cache_hits
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+import os
+import threading
+from typing import Any
+
+import jax
+from jax.experimental.compilation_cache import compilation_cache as jax_cache
+
+log = logging.getLogger("estimator")
+
+ENV_VAR = "TPU_ESTIMATOR_COMPILATION_CACHE_DIR"
+DEFAULT_MAX_BYTES = 2 << 30  # 2 GiB
+_OFF = ("0", "off", "false", "no", "none")
+_ACTIVE: list[str | None] = [None]  # the directory this module turned on, if any
+
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+CACHE_HIT = "/jax/compilation_cache/cache_hits"
+
+
+def default_cache_dir() -> str:
+    """``$XDG_CACHE_HOME/tpu-estimator/jax``, or ``~/.cache/tpu-estimator/jax``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tpu-estimator", "jax")
+
+
+def resolve_cache_dir(setting: Any) -> str | None:
+    """The cache directory a ``RunConfig.compilation_cache_dir`` value means (None: off).
+
+    Raises:
+      TypeError: ``setting`` is not None, a bool or a path.
+    """
+    if setting is False:
+        return None
+    if setting is not None and setting is not True:
+        if not isinstance(setting, (str, os.PathLike)):
+            raise TypeError(
+                "RunConfig.compilation_cache_dir must be a path, True, False or None, "
+                f"got {setting!r}"
+            )
+        return os.path.abspath(os.fspath(setting))
+    env = os.environ.get(ENV_VAR, "").strip()
+    if env:
+        return None if env.lower() in _OFF else os.path.abspath(os.path.expanduser(env))
+    theirs = jax.config.jax_compilation_cache_dir
+    if theirs and theirs != _ACTIVE[0]:
+        return theirs
+    return default_cache_dir()
+
+
+def configure_cache(setting: Any) -> str | None:
+    """Points JAX's persistent compilation cache where ``setting`` says; returns the directory
+    (None: off).
+
+    Small CPU programs compile in well under JAX's default 1 s threshold and would never be
+    cached, so both thresholds are lowered to 0 (see the JAX notes, section 9).
+    """
+    path = resolve_cache_dir(setting)
+    current = jax.config.jax_compilation_cache_dir
+    if path == current:  # already so (ours, or set by the user through JAX: left alone)
+        return path
+    if path is not None:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            log.warning("Compilation cache off: cannot create %s (%s)", path, e)
+            path = None
+    if path is None and current is None:
+        return None
+    jax.config.update("jax_compilation_cache_dir", path)
+    if path is not None:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        # JAX's size bound needs the filelock package to guard evictions.
+        if jax.config.jax_compilation_cache_max_size == -1 and importlib.util.find_spec("filelock"):
+            jax.config.update("jax_compilation_cache_max_size", DEFAULT_MAX_BYTES)
+    jax_cache.reset_cache()  # JAX opens its cache once; make it reopen at the new place
+    _ACTIVE[0] = path
+    log.info("Persistent compilation cache %s", f"in {path}" if path else "off")
+    return path
+
+
+@dataclasses.dataclass(eq=False)
+class CompileCounter:
+    """Counts XLA compilations while active (a context manager, re-entrant per instance).
+
+    JAX reports a persistent-cache hit as a backend compile too, so ``compiled`` (what XLA
+    really compiled) is ``events - cache_hits``; ``names`` lists the programs (``jit(loop)``).
+    """
+
+    events: int = 0
+    cache_hits: int = 0
+    seconds: float = 0.0
+    names: list = dataclasses.field(default_factory=list)
+
+    @property
+    def compiled(self) -> int:
+        return self.events - self.cache_hits
+
+    def __enter__(self) -> CompileCounter:
+        _LISTENERS.add(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _LISTENERS.discard(self)
+
+
+class _Listeners:
+    """One pair of JAX monitoring listeners for every active counter, installed once."""
+
+    def __init__(self):
+        self._active: set[CompileCounter] = set()
+        self._lock = threading.Lock()
+        self._installed = False
+
+    def add(self, counter: CompileCounter) -> None:
+        with self._lock:
+            if not self._installed:
+                jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+                jax.monitoring.register_event_listener(self._on_event)
+                self._installed = True
+            self._active.add(counter)
+
+    def discard(self, counter: CompileCounter) -> None:
+        with self._lock:
+            self._active.discard(counter)
+
+    def _on_duration(self, event: str, duration: float, **kwargs) -> None:
+        if event != BACKEND_COMPILE:
+            return
+        with self._lock:
+            for c in self._active:
+                c.events += 1
+                c.seconds += duration
+                c.names.append(str(kwargs.get("fun_name", "?")))
+
+    def _on_event(self, event: str, **_) -> None:
+        if event != CACHE_HIT:
+            return
+        with self._lock:
+            for c in self._active:
+                c.cache_hits += 1
+
+
+_LISTENERS = _Listeners()

@@ -1,0 +1,65 @@
+"""A fresh process that trains and evaluates a small MLP once, counting XLA compilations.
+
+Run by startup_test.py: ``python -m tests.estimator._startup_job MODEL_DIR``. It uses the
+default ``RunConfig`` compilation cache (so the environment decides where it is) and prints
+one JSON line: ``{"compiled", "events", "cache_hits", "names", "results"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import flax.linen as nn
+import jax.numpy as jnp
+import optax
+
+import estimator
+from estimator.compilation import CompileCounter
+from tests import helpers as h
+
+
+def model_fn(features, labels, mode, params):
+    """A two-layer MLP trained with Adam, so the optimizer state has slots and a count."""
+    h1 = nn.relu(nn.Dense(16, name="hidden")(features["x"]))
+    logits = nn.Dense(3, name="out")(h1)
+    mask = estimator.padding_mask()
+    per_row = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    loss = (per_row * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+    train = mode == estimator.ModeKeys.TRAIN
+    return estimator.TPUEstimatorSpec(
+        mode,
+        loss=loss,
+        train_op=optax.adam(1e-2) if train else None,
+        eval_metrics=(h.metric_fn, [labels, logits]),
+    )
+
+
+def main(model_dir: str) -> None:
+    x, y = h.make_data(n=64)
+    with CompileCounter() as counter:
+        est = estimator.TPUEstimator(
+            model_fn,
+            config=estimator.RunConfig(
+                model_dir=model_dir,
+                tpu_config=estimator.TPUConfig(iterations_per_loop=4),
+                log_step_count_steps=0,
+                save_summary_steps=0,
+            ),
+            train_batch_size=16,
+            eval_batch_size=16,
+        )
+        est.train(h.train_input_fn(x, y), max_steps=12)
+        results = est.evaluate(h.eval_input_fn(x, y))
+    out = {
+        "compiled": counter.compiled,
+        "events": counter.events,
+        "cache_hits": counter.cache_hits,
+        "names": counter.names,
+        "results": {k: float(v) for k, v in results.items()},
+    }
+    print("STARTUP_JOB " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
