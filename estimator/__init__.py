@@ -6,9 +6,110 @@ Example:
   >>> est.train(input_fn, max_steps=1000)
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ._compat import root_logging_untouched
 
-with root_logging_untouched():
+# The public names are imported on first use (PEP 562), not here: importing JAX takes
+# seconds, and the command line (estimator.cli) must answer `--help` or report a mistyped
+# flag without it. `estimator.TPUEstimator`, `from estimator import RunConfig` and
+# `estimator.summary` work as if everything had been imported eagerly.
+_EXPORTS = {
+    ".cluster.cluster": ("TPUClusterResolver",),
+    ".config": ("InputPipelineConfig", "RunConfig", "TPUConfig"),
+    ".context": ("get_global_step", "padding_mask"),
+    ".driver.host": ("TracedValueError",),
+    ".driver.preemption": ("Preempted",),
+    ".errors": (
+        "CheckpointError",
+        "CheckpointMismatchError",
+        "EstimatorError",
+        "NoCheckpointError",
+    ),
+    ".export_output": ("ClassificationOutput", "PredictOutput", "RegressionOutput"),
+    ".input_context": ("InputContext",),
+    ".io.export": ("build_raw_serving_input_receiver_fn", "load_saved_model"),
+    ".io.inference": ("rewrite_for_inference", "validate_inference_rewrite_for_variables"),
+    ".io.lock": ("ModelDirInUseError",),
+    ".parallel.outside_compilation": ("outside_compilation",),
+    ".parallel.replica_context": ("ReduceOp", "get_replica_context"),
+    ".scaffold": ("Scaffold", "WarmStartSettings", "init_from_checkpoint"),
+    ".spec": ("EstimatorSpec", "ModeKeys", "TPUEstimatorSpec"),
+    ".strategy.device_assignment": ("DeviceAssignment",),
+    ".strategy.strategy": ("PerReplica", "TPUStrategy", "get_strategy"),
+    ".tpu_estimator": ("TPUEstimator",),
+    ".train_and_evaluate": ("EvalSpec", "TrainSpec", "train_and_evaluate"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = [
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "ClassificationOutput",
+    "DeviceAssignment",
+    "EstimatorError",
+    "EstimatorSpec",
+    "EvalSpec",
+    "InputContext",
+    "InputPipelineConfig",
+    "ModeKeys",
+    "ModelDirInUseError",
+    "NoCheckpointError",
+    "PerReplica",
+    "PredictOutput",
+    "Preempted",
+    "ReduceOp",
+    "RegressionOutput",
+    "RunConfig",
+    "Scaffold",
+    "TPUClusterResolver",
+    "TPUConfig",
+    "TPUEstimator",
+    "TPUEstimatorSpec",
+    "TPUStrategy",
+    "TracedValueError",
+    "TrainSpec",
+    "WarmStartSettings",
+    "build_raw_serving_input_receiver_fn",
+    "get_global_step",
+    "get_replica_context",
+    "get_strategy",
+    "init_from_checkpoint",
+    "load_saved_model",
+    "outside_compilation",
+    "padding_mask",
+    "rewrite_for_inference",
+    "summary",
+    "train_and_evaluate",
+    "validate_inference_rewrite_for_variables",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """A public name (or a submodule, e.g. ``estimator.summary``), imported on first use."""
+    if name.startswith("__"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    with root_logging_untouched():  # Orbax logs through absl while it is imported
+        if name in _MODULE_OF:
+            value = getattr(importlib.import_module(_MODULE_OF[name], __name__), name)
+        else:
+            try:
+                value = importlib.import_module(f".{name}", __name__)
+            except ModuleNotFoundError as e:
+                if e.name != f"{__name__}.{name}":
+                    raise
+                raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # the same names, for type checkers and editors
     from . import summary
     from .cluster.cluster import TPUClusterResolver
     from .config import InputPipelineConfig, RunConfig, TPUConfig
@@ -34,45 +135,3 @@ with root_logging_untouched():
     from .strategy.strategy import PerReplica, TPUStrategy, get_strategy
     from .tpu_estimator import TPUEstimator
     from .train_and_evaluate import EvalSpec, TrainSpec, train_and_evaluate
-
-__all__ = [
-    "TPUClusterResolver",
-    "CheckpointError",
-    "CheckpointMismatchError",
-    "EstimatorError",
-    "ModelDirInUseError",
-    "NoCheckpointError",
-    "Preempted",
-    "TracedValueError",
-    "build_raw_serving_input_receiver_fn",
-    "load_saved_model",
-    "ClassificationOutput",
-    "PredictOutput",
-    "RegressionOutput",
-    "outside_compilation",
-    "rewrite_for_inference",
-    "validate_inference_rewrite_for_variables",
-    "DeviceAssignment",
-    "PerReplica",
-    "ReduceOp",
-    "TPUStrategy",
-    "get_replica_context",
-    "get_strategy",
-    "EstimatorSpec",
-    "EvalSpec",
-    "TrainSpec",
-    "train_and_evaluate",
-    "InputContext",
-    "InputPipelineConfig",
-    "ModeKeys",
-    "RunConfig",
-    "Scaffold",
-    "TPUConfig",
-    "TPUEstimator",
-    "TPUEstimatorSpec",
-    "WarmStartSettings",
-    "get_global_step",
-    "init_from_checkpoint",
-    "padding_mask",
-    "summary",
-]

@@ -53,3 +53,22 @@ def set_absl_flag(name: str, value: Any) -> None:
     flag = flags.FLAGS[name]
     flag.value = value
     flag.present = max(int(flag.present), 1)  # readable before absl parses argv
+
+
+@contextlib.contextmanager
+def absl_warning_dropped(prefix: str) -> Iterator[None]:
+    """Drops absl log records whose message starts with ``prefix`` inside the block.
+
+    For a warning another library gives about a choice this project makes on purpose; every
+    other absl record passes.
+    """
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(prefix)
+
+    logger = logging.getLogger("absl")
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)

@@ -1,14 +1,12 @@
-"""Jobs from configs: a ConfigDict names a model and a data set; this builds the estimator.
+"""Jobs from configs: the estimator and input_fns a config names (this imports JAX).
 
-Configs are Python files with ``get_config()`` (see ``configs/``); ``--config.key=value``
-overrides are parsed as Python literals and type-checked by the ConfigDict.
+``configs`` reads and checks config files without JAX; this module turns a checked config
+into a ``TPUEstimator`` (``build``), leaving every field the config does not set to
+``RunConfig``'s and ``TPUConfig``'s own defaults.
 """
 
 from __future__ import annotations
 
-import ast
-import importlib
-import importlib.util
 import os
 from typing import Any
 
@@ -23,89 +21,68 @@ from ..input_context import InputContext
 from ..io import export as export_lib
 from ..spec import ModeKeys
 from ..tpu_estimator import TPUEstimator
+from .configs import DEFAULT_CONFIG, apply_overrides, load_config
+from .usage import UsageError, did_you_mean
 
-DEFAULT_CONFIG = "configs/digits_mlp.py"
+__all__ = [
+    "DEFAULT_CONFIG",
+    "apply_overrides",
+    "build",
+    "export_from_config",
+    "global_step",
+    "load_config",
+    "run_config",
+]
 
-
-def load_config(path: str | None = None) -> ml_collections.ConfigDict:
-    """``get_config()`` of a config file, or of the packaged ``configs`` module of that name."""
-    path = path or DEFAULT_CONFIG
-    if os.path.exists(path):
-        spec = importlib.util.spec_from_file_location(
-            "_job_config_" + os.path.basename(path)[:-3], path
-        )
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    else:
-        name = os.path.splitext(os.path.basename(path))[0]
-        try:
-            module = importlib.import_module(f"configs.{name}")
-        except ModuleNotFoundError:
-            raise FileNotFoundError(f"--config {path!r}: no such file or packaged config") from None
-    return module.get_config()
-
-
-def _parse(value: str) -> Any:
-    try:
-        return ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return value
-
-
-def apply_overrides(config: ml_collections.ConfigDict, overrides: dict[str, str]) -> None:
-    """Sets ``a.b=value`` entries, naming the key on a type or name error."""
-    for key, raw in overrides.items():
-        *parents, leaf = key.split(".")
-        node = config
-        for p in parents:
-            node = node[p]
-        if leaf not in node:
-            raise KeyError(f"--config.{key}: {leaf!r} is not a field of the config")
-        value = _parse(raw)
-        current = node[leaf]
-        if isinstance(current, float) and isinstance(value, int):
-            value = float(value)
-        if isinstance(current, tuple) and isinstance(value, (list, int)):
-            value = tuple(value) if isinstance(value, list) else (value,)
-        try:
-            node[leaf] = value
-        except TypeError as e:
-            raise TypeError(f"--config.{key}={raw!r}: {e}") from None
+# config field -> RunConfig / TPUConfig argument; a field the config lacks keeps the default.
+RUN_CONFIG_FIELDS = {
+    "save_checkpoints_steps": "save_checkpoints_steps",
+    "keep_checkpoint_max": "keep_checkpoint_max",
+    "save_summary_steps": "save_summary_steps",
+    "log_step_count_steps": "log_step_count_steps",
+    "seed": "tf_random_seed",
+    "compilation_cache_dir": "compilation_cache_dir",
+}
+TPU_CONFIG_FIELDS = {
+    "iterations_per_loop": "iterations_per_loop",
+    "num_cores_per_replica": "num_cores_per_replica",
+    "host_call_every_n_steps": "host_call_every_n_steps",
+    "unroll_loops": "unroll_loops",
+    "shard_optimizer_state": "shard_optimizer_state",
+    "shard_params": "shard_params",
+}
 
 
-def _cache_setting(value):
-    """A config's ``compilation_cache_dir``: ``""``/None the default cache, False off, or a
-    path (``--config.compilation_cache_dir=False`` arrives as the bool)."""
-    return None if value == "" else value
+def _given(config: ml_collections.ConfigDict, fields: dict[str, str]) -> dict:
+    # 0 / "" in a config mean "not set" for these optional fields (None cannot be overridden
+    # from the command line with a typed value).
+    unset = {"num_cores_per_replica": 0, "compilation_cache_dir": ""}
+    return {
+        arg: config[key]
+        for key, arg in fields.items()
+        if key in config and config[key] != unset.get(key, object())
+    }
 
 
 def run_config(config: ml_collections.ConfigDict, model_dir: str | None) -> RunConfig:
+    """The RunConfig of a job config (joining a cluster when TF_CONFIG or a pod says so)."""
     return RunConfig(
         model_dir=model_dir,
-        tpu_config=TPUConfig(
-            iterations_per_loop=config.iterations_per_loop,
-            num_cores_per_replica=config.get("num_cores_per_replica", 1) or None,
-            host_call_every_n_steps=config.get("host_call_every_n_steps", 1),
-            unroll_loops=config.get("unroll_loops", False),
-            shard_optimizer_state=config.get("shard_optimizer_state", False),
-            shard_params=config.get("shard_params", False),
-        ),
-        save_checkpoints_steps=config.save_checkpoints_steps,
-        keep_checkpoint_max=config.get("keep_checkpoint_max", 5),
-        save_summary_steps=config.get("save_summary_steps", 100),
-        log_step_count_steps=config.get("log_step_count_steps", 100),
-        tf_random_seed=config.get("seed", 0),
-        compilation_cache_dir=_cache_setting(config.get("compilation_cache_dir", None)),
-        cluster=from_environment(),  # TF_CONFIG or a TPU pod / Slurm job: join it
+        tpu_config=TPUConfig(**_given(config, TPU_CONFIG_FIELDS)),
+        cluster=from_environment(),
+        **_given(config, RUN_CONFIG_FIELDS),
     )
 
 
 def build(config: ml_collections.ConfigDict, model_dir: str | None) -> tuple[TPUEstimator, dict]:
     """The estimator and the ``{"train", "eval", "predict"}`` input_fns of a job config."""
-    if config.model not in models.MODELS:
-        raise KeyError(f"config.model={config.model!r}; known models: {sorted(models.MODELS)}")
-    if config.dataset not in models.DATASETS:
-        raise KeyError(f"config.dataset={config.dataset!r}; known: {sorted(models.DATASETS)}")
+    for field, known in (("model", models.MODELS), ("dataset", models.DATASETS)):
+        if config[field] not in known:
+            raise UsageError(
+                f"--config.{field}={config[field]}: no such {field}"
+                + did_you_mean(config[field], known)
+                + f"; known: {', '.join(sorted(known))}"
+            )
     est = TPUEstimator(
         models.MODELS[config.model],
         config=run_config(config, model_dir),
@@ -116,6 +93,12 @@ def build(config: ml_collections.ConfigDict, model_dir: str | None) -> tuple[TPU
         predict_batch_size=config.predict_batch_size,
     )
     return est, models.DATASETS[config.dataset](config)
+
+
+def global_step(est: TPUEstimator) -> int | None:
+    """The step of the newest checkpoint in the estimator's model_dir (None: none yet)."""
+    path = est.latest_checkpoint()
+    return None if path is None else int(os.path.basename(os.path.normpath(path)))
 
 
 def export_from_config(est, config: Any, export_dir_base: str) -> str:

@@ -134,11 +134,16 @@ def run_eval_loops(job: Job, input_fn, *, steps, hooks, checkpoint_path, name) -
     return results
 
 
+def _short(value: Any) -> str:
+    """A metric for a log line: floats to 6 significant digits (the result keeps them all)."""
+    return f"{value:.6g}" if isinstance(value, float | np.floating) else str(value)
+
+
 def _write_results(eval_dir: str, results: dict) -> None:
     log.info(
         "Saving dict for global step %d: %s",
         results["global_step"],
-        ", ".join(f"{k} = {v}" for k, v in sorted(results.items())),
+        ", ".join(f"{k} = {_short(v)}" for k, v in sorted(results.items())),
     )
     scalars = {k: v for k, v in results.items() if k != "global_step" and np.ndim(v) == 0}
     # One event file per directory per process, on disk when evaluate returns (early-stopping

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -134,26 +135,47 @@ def progress_enabled(setting: bool | None) -> bool:
     return sys.stderr.isatty() and not os.environ.get("TPU_ESTIMATOR_NO_PROGRESS_BAR")
 
 
+def _console_logging(logger: logging.Logger) -> bool:
+    return any(
+        isinstance(h, logging.StreamHandler) and h.stream in (sys.stdout, sys.stderr)
+        for h in logger.handlers
+    )
+
+
 class ProgressBarHook(hooks_lib.SessionRunHook):
-    """A tqdm bar over global steps, advanced once per loop, showing the loop's mean loss."""
+    """A tqdm bar over global steps, advanced once per loop, showing the loop's mean loss.
+
+    The bar appears when the first loop (which compiles) has run, so its rate and ETA count
+    steady-state steps only. While it is shown, console log lines go through ``tqdm.write``
+    (``logging_redirect_tqdm``) instead of landing on the bar's line.
+    """
 
     def __init__(self, *, start: int, total: int | None):
         self._start, self._total = start, total
         self._bar = None
-
-    def begin(self) -> None:
-        from tqdm.auto import tqdm
-
-        self._bar = tqdm(
-            total=self._total, initial=self._start, unit="step", dynamic_ncols=True, leave=False
-        )
+        self._redirect = contextlib.ExitStack()
 
     def before_run(self, run_context):
         return hooks_lib.SessionRunArgs("loss")
 
     def after_run(self, run_context, run_values) -> None:
-        self._bar.update(len(run_context.steps))
+        if self._bar is None:
+            self._open(self._start + len(run_context.steps))
+        else:
+            self._bar.update(len(run_context.steps))
         self._bar.set_postfix(loss=f"{float(np.mean(run_values.results)):.4g}")
 
+    def _open(self, done: int) -> None:
+        from tqdm.auto import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        self._bar = tqdm(
+            total=self._total, initial=done, unit="step", dynamic_ncols=True, leave=False
+        )
+        loggers = [lg for lg in (logging.root, log) if _console_logging(lg)]
+        self._redirect.enter_context(logging_redirect_tqdm(loggers, tqdm_class=type(self._bar)))
+
     def end(self, session) -> None:
-        self._bar.close()
+        self._redirect.close()
+        if self._bar is not None:
+            self._bar.close()

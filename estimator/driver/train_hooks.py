@@ -41,7 +41,7 @@ class LossLoggingHook(SessionRunHook):
             return
         now = time.monotonic()
         log.info(
-            "loss = %s, step = %d (%.3f sec)",
+            "loss = %.4g, step = %d (%.3f sec)",
             float(np.mean(losses)),
             int(steps[-1]),
             now - self._last,

@@ -427,7 +427,7 @@ def _train(job: Job, started: _Started, user_hooks, watcher, saving_listeners) -
         for listener in saver.listeners:
             listener.end(session, step)
         job.store.remember(LastState(step, run.state, saver.meta(step)))
-        log.info("Loss for final step: %s.", float(losses[-1]))
+        log.info("Loss for final step: %.4g.", float(losses[-1]))
     finally:
         prefetch.close()
         worker.close()

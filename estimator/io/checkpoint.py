@@ -36,6 +36,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from .._compat import absl_warning_dropped
 from ..errors import (
     CheckpointError,
     CheckpointMismatchError,
@@ -227,16 +228,22 @@ class Checkpoints:
         self.directory = checkpoint_dir(model_dir)
         self.read_only = read_only
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep,
+            # A reader saves and deletes nothing; saying so keeps Orbax from warning that it
+            # changed these two for us.
+            max_to_keep=None if read_only else max_to_keep,
+            save_interval_steps=0 if read_only else 1,
             enable_async_checkpointing=not read_only,
             read_only=read_only,
             create=not read_only,
             cleanup_tmp_directories=not read_only,  # only unfinished *.orbax-checkpoint-tmp
             todelete_subdir=None if read_only else _ROTATED,
         )
-        self._manager = _listing(
-            lambda: ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
-        )
+        # Orbax warns "Given directory is read only" for every reader: a newcomer reads it as a
+        # permissions problem, and a reader is read-only by design.
+        with absl_warning_dropped("Given directory is read only"):
+            self._manager = _listing(
+                lambda: ocp.CheckpointManager(self.directory, options=options, item_names=ITEMS)
+            )
         self._handler = ocp.StandardCheckpointHandler()
         self._warned: set[int] = set()
 

@@ -289,7 +289,8 @@ def test_logged_loss_is_the_replica_and_loop_mean(tmp_path):
             h.train_input_fn(x, y), max_steps=4, hooks=[Loss()]
         )
     line = next(m for m in logs.lines if m.startswith("loss = "))
-    assert float(line.split("=")[1].split(",")[0]) == pytest.approx(float(np.mean(got[0])))
+    logged = line.split("=")[1].split(",")[0].strip()
+    assert logged == f"{float(np.mean(got[0])):.4g}"  # 4 significant digits, not 16
 
 
 def test_progress_bar_when_asked(tmp_path, capsys):
@@ -297,6 +298,32 @@ def test_progress_bar_when_asked(tmp_path, capsys):
     _est(tmp_path, ipl=2, progress_bar=True).train(h.train_input_fn(x, y), max_steps=4)
     err = capsys.readouterr().err
     assert "4/4" in err and "step" in err
+
+
+def test_progress_bar_starts_after_the_compiling_loop_and_redirects_logging(monkeypatch):
+    """The bar's rate and ETA leave out the first loop's compile time; log lines printed
+    while it is shown go through tqdm instead of onto the bar's line."""
+    import io
+    import sys
+
+    from tqdm.contrib.logging import _TqdmLoggingHandler
+
+    from estimator.driver.progress import ProgressBarHook
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # where tqdm draws
+    console = logging.StreamHandler(sys.stderr)
+    monkeypatch.setattr(logging.root, "handlers", [console])
+    bar = ProgressBarHook(start=10, total=20)
+    bar.begin()
+    assert bar._bar is None  # nothing is timed before the first loop ends
+    seen = []
+    for steps in ([11, 12], [13, 14], [15, 16]):
+        context = hooks.SessionRunContext(None, None, steps=np.array(steps))
+        bar.after_run(context, hooks.SessionRunValues(np.ones(2)))
+        seen.append((bar._bar.n, bar._bar.initial, type(logging.root.handlers[-1])))
+    bar.end(None)
+    assert seen == [(n, 12, _TqdmLoggingHandler) for n in (12, 14, 16)]
+    assert logging.root.handlers == [console]
 
 
 def test_profiler_hook_writes_a_trace_for_tensorboard(tmp_path):
