@@ -10,7 +10,7 @@ then killed, and the launcher returns non-zero.
 
 Any Python program can be launched the same way::
 
-  python -m estimator.launch --num_processes 2 -- my_training_script.py --flag=value
+  python -m estimator.cluster.launch --num_processes 2 -- my_training_script.py --flag=value
 
 Example:
   >>> rc = launch_local(2, ["train", "--model_dir", "/tmp/run", "--config.max_steps=100"])
@@ -263,9 +263,9 @@ def launch_local(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m estimator.launch --num_processes N [options] -- PROGRAM ARGS...``."""
+    """``python -m estimator.cluster.launch --num_processes N [options] -- PROGRAM ARGS...``."""
     parser = argparse.ArgumentParser(
-        prog="python -m estimator.launch",
+        prog="python -m estimator.cluster.launch",
         description="Run a Python program as N local processes of one JAX job.",
     )
     parser.add_argument("--num_processes", type=int, required=True)

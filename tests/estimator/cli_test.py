@@ -218,3 +218,24 @@ def test_user_logging_config_receives_the_estimators_lines(tmp_path):
     assert "INFO:estimator:Training on 8 cpu device(s)" in logged
     assert "INFO:estimator:loss = " in logged and "Saving checkpoints for 4" in logged
     assert "INFO:estimator" not in out.stderr  # nothing of ours besides the user's handler
+
+
+def test_stdout_holds_only_the_result():
+    """Run as the program, the command keeps stdout for its result: what C++ code (Gloo's
+    "Rank ... connected") or a library prints to file descriptor 1 goes to stderr."""
+    script = textwrap.dedent(
+        """
+        import os, sys
+        from estimator.cli import app
+        out = app._take_stdout()
+        os.write(1, b"[Gloo] Rank 0 is connected\\n")
+        print("a library's print", flush=True)
+        out.write('{"global_step": 1}\\n')
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == '{"global_step": 1}\n'
+    assert "[Gloo] Rank 0 is connected" in out.stderr and "a library's print" in out.stderr
