@@ -9,6 +9,8 @@ Example:
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 from ._compat import root_logging_untouched
@@ -107,6 +109,22 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """Keeps a public name when its own submodule is imported.
+
+    Importing ``estimator.train_and_evaluate`` (the module) makes Python set the package's
+    attribute of that name to the module, which would hide the function of the same name;
+    an eager ``from .train_and_evaluate import train_and_evaluate`` used to set it back.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not (name in _MODULE_OF and isinstance(value, types.ModuleType)):
+            super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 if TYPE_CHECKING:  # the same names, for type checkers and editors

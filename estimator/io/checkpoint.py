@@ -188,9 +188,11 @@ def _cpu_array_handler() -> None:
     """
     if _HANDLER_SET or jax.default_backend() != "cpu":
         return
-    ocp.type_handlers.register_type_handler(
-        jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True
-    )
+    # Replacing the default handler is the point, so Orbax's warning that it does is not shown.
+    with absl_warning_dropped("Type handler registry type"):
+        ocp.type_handlers.register_type_handler(
+            jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True
+        )
     _HANDLER_SET.append(True)
 
 
