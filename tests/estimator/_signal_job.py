@@ -1,0 +1,152 @@
+"""A training job that a test stops with real signals (SIGTERM, SIGINT), run as a subprocess.
+
+It runs the named phases one after another in one process (one start-up for all), each on
+its own ``WORKDIR/<phase>`` model_dir, printing markers the test reacts to:
+
+- ``stall``: the input yields 6 batches, prints ``STALLED`` and never yields again; the test
+  sends SIGTERM; prints ``PREEMPTED stall <step>``.
+- ``slow_host``: a host_call that sleeps 50 ms per step and prints ``HOST <n>``; the test sends
+  SIGTERM after a while; prints ``PREEMPTED slow_host ...``.
+- ``abort``: the progress hook sleeps 3 s after step 6; the test sends SIGINT twice; prints
+  ``ABORTED <message>``.
+- ``interrupt``: the test sends SIGINT once; the KeyboardInterrupt is not caught, so the
+  process ends as a user's script would (the test reads its stderr).
+
+Every phase prints ``LOOP <step>`` after each device loop and ``PHASE <name>`` first.
+
+Usage:
+  python -m tests.estimator._signal_job WORKDIR --phases stall,slow_host,abort,interrupt
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TPU_ESTIMATOR_NO_PROGRESS_BAR", "1")
+
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import flax.linen as nn  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import estimator  # noqa: E402
+import hooks  # noqa: E402
+
+BATCH = 32
+def data(n: int = 256, d: int = 8, classes: int = 4):
+    rng = np.random.RandomState(0)
+    x = rng.randn(n, d).astype(np.float32)
+    y = (x @ rng.randn(d, classes)).argmax(-1).astype(np.int32)
+    return x, y
+
+
+def make_model_fn(host_sleep: float | None):
+    calls = [0]
+
+    def host_fn(loss):
+        time.sleep(host_sleep)
+        calls[0] += 1
+        print(f"HOST {calls[0]}", flush=True)
+
+    def model_fn(features, labels, mode, params):
+        logits = nn.Dense(4, name="out")(nn.relu(nn.Dense(32, name="hidden")(features)))
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        host_call = None if host_sleep is None else (host_fn, [jnp.reshape(loss, (1,))])
+        return estimator.TPUEstimatorSpec(
+            mode, loss=loss, train_op=optax.adam(1e-2), host_call=host_call
+        )
+
+    return model_fn
+
+
+def endless(params):
+    x, y = data()
+    b = params["batch_size"]
+    while True:
+        for i in range(0, len(x) - b + 1, b):
+            yield x[i : i + b], y[i : i + b]
+
+
+def stalling(params):
+    """Six batches, then a wait that never ends (a dead data server)."""
+    x, y = data()
+    b = params["batch_size"]
+    for i in range(6):
+        yield x[i * b : (i + 1) * b], y[i * b : (i + 1) * b]
+    print("STALLED", flush=True)
+    threading.Event().wait()
+
+
+class _Progress(hooks.SessionRunHook):
+    def __init__(self, sleep_after: dict[int, float]):
+        self.sleep_after = sleep_after
+
+    def before_run(self, run_context):
+        return hooks.SessionRunArgs("global_step")
+
+    def after_run(self, run_context, run_values):
+        step = int(np.asarray(run_values.results)[-1])
+        print(f"LOOP {step}", flush=True)
+        time.sleep(self.sleep_after.get(step, 0.01))
+
+
+def make_estimator(model_dir: str, *, host_sleep: float | None, cache: str | None):
+    config = estimator.RunConfig(
+        model_dir=model_dir,
+        tpu_config=estimator.TPUConfig(iterations_per_loop=2),
+        save_checkpoints_steps=1000,
+        tf_random_seed=1234,
+        log_step_count_steps=0,
+        save_summary_steps=0,
+        compilation_cache_dir=cache,
+    )
+    return estimator.TPUEstimator(
+        make_model_fn(host_sleep), config=config, train_batch_size=BATCH
+    )
+
+
+def run_phase(name: str, workdir: str, cache: str | None) -> None:
+    print(f"PHASE {name}", flush=True)
+    model_dir = os.path.join(workdir, name)
+    est = make_estimator(model_dir, host_sleep=0.05 if name == "slow_host" else None, cache=cache)
+    input_fn = stalling if name == "stall" else endless
+    progress = _Progress({6: 3.0} if name == "abort" else {})
+    if name == "interrupt":  # uncaught: the process ends as a user's script would
+        est.train(input_fn, max_steps=100_000, hooks=[progress])
+        return
+    try:
+        est.train(input_fn, max_steps=100_000, hooks=[progress])
+    except estimator.Preempted as e:
+        print(f"PREEMPTED {name} {e.global_step}", flush=True)
+    except KeyboardInterrupt as e:
+        print(f"ABORTED {e}", flush=True)
+    else:
+        print(f"RETURNED {name}", flush=True)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("workdir")
+    p.add_argument("--phases", default="stall,slow_host,abort,interrupt")
+    p.add_argument("--cache", default=None)
+    args = p.parse_args(argv)
+    logger = logging.getLogger("estimator")
+    logger.handlers[:] = [logging.StreamHandler(sys.stdout)]
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    for name in args.phases.split(","):
+        run_phase(name, args.workdir, args.cache)
+
+
+if __name__ == "__main__":
+    main()
