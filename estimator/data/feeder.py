@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 
 import jax
@@ -60,9 +61,18 @@ class Feeder:
         )
         return Pipeline(it, layout=layout, pad=pad)
 
-    def prefetch(self, pipe: Pipeline, schedule: Callable[[], int], *, fill: bool, skip: int = 0):
+    def prefetch(
+        self,
+        pipe: Pipeline,
+        schedule: Callable[[], int],
+        *,
+        fill: bool,
+        skip: int = 0,
+        interrupt: threading.Event | None = None,
+    ):
         """Chunks of ``schedule()`` steps each, read ahead on a thread and agreed across
-        processes; ``skip`` batches already consumed are passed over first."""
+        processes; ``skip`` batches already consumed are passed over first. Once
+        ``interrupt`` is set, a wait for the next chunk ends as the end of the input."""
 
         def produce():
             if skip and pipe.pulled == 0:
@@ -72,4 +82,5 @@ class Feeder:
             n = schedule()
             return read_chunk(pipe, n, fill=fill, mesh=self.mesh) if n > 0 else None
 
-        return synced(Prefetcher(produce), pipe, fill=fill, mesh=self.mesh)
+        prefetcher = Prefetcher(produce, interrupt=interrupt)
+        return synced(prefetcher, pipe, fill=fill, mesh=self.mesh)

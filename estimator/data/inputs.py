@@ -123,10 +123,34 @@ _CANONICAL = {
 }
 
 
-def _canonical(x: Any) -> np.ndarray:
+def _canonical(x: Any, name: str = "<batch>") -> np.ndarray:
+    """``x`` with 64-bit dtypes narrowed to what the devices run (float32, int32, uint32).
+
+    64-bit integers are kept in 64-bit mode (``jax_enable_x64``); otherwise values beyond the
+    32-bit range are an error naming the entry rather than a silent wrap.
+    """
     x = np.asarray(x)
     target = _CANONICAL.get(x.dtype)
-    return x.astype(target) if target is not None else x
+    if target is None:
+        return x
+    if x.dtype.kind in "iu":
+        if jax.config.jax_enable_x64:
+            return x
+        _check_fits(x, np.dtype(target), name)
+    return x.astype(target)
+
+
+def _check_fits(x: np.ndarray, target: np.dtype, name: str) -> None:
+    if not x.size:
+        return
+    low, high, info = x.min(), x.max(), np.iinfo(target)
+    if low < info.min or high > info.max:
+        raise ValueError(
+            f"input batch entry {name} has {x.dtype} values outside the {target} range "
+            f"(min {low}, max {high}): they would wrap silently on the devices. Map them into "
+            f"{target} in input_fn (e.g. hashed ids modulo the vocabulary size), or enable "
+            "64-bit mode (jax.config.update('jax_enable_x64', True)) to keep them."
+        )
 
 
 class Signature(NamedTuple):
@@ -140,7 +164,7 @@ class Signature(NamedTuple):
 
 def signature_of(tree: Any) -> Signature:
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    leaves = [_canonical(x) for _, x in leaves_with_path]
+    leaves = [_canonical(x, _name(p)) for p, x in leaves_with_path]
     for (path, _), x in zip(leaves_with_path, leaves):
         if x.ndim == 0:
             raise ValueError(
@@ -174,8 +198,8 @@ def conform(tree: Any, sig: Signature, *, rows: int, allow_short: bool) -> tuple
         raise ValueError(f"input batch structure changed: expected {sig.treedef}, got {treedef}")
     out, n = [], None
     for (path, x), shape, dtype in zip(leaves_with_path, sig.shapes, sig.dtypes):
-        x = _canonical(x)
         name = _name(path)
+        x = _canonical(x, name)
         if x.ndim == 0 or x.shape[1:] != shape:
             raise ValueError(
                 f"input batch entry {name} has shape {x.shape}, expected (batch, *{shape}) "
@@ -231,7 +255,8 @@ class Pipeline:
     Args:
       iterator: what input_fn returned.
       layout: the mode's ``BatchLayout`` (pulls per step, rows per pull, broadcast).
-      pad: whether a short final batch is padded (eval/predict) or dropped (train).
+      pad: whether a short batch is padded (eval/predict) or skipped (train: a step has a
+        fixed batch size, so a short batch anywhere in the stream is skipped and counted).
     """
 
     def __init__(
@@ -253,6 +278,8 @@ class Pipeline:
             callable(getattr(iterator, m, None)) for m in ("get_state", "set_state")
         )
         self.positioned = False  # moved past earlier batches (skip or set_state)
+        self.global_step = 0  # of the last step read; the trainer sets where it starts
+        self.short_skipped = 0
 
     def get_state(self) -> Any:
         """The iterator's position as JSON (see ``encode_state``); None if it has none."""
@@ -282,6 +309,28 @@ class Pipeline:
             self.sig = signature_of((features, labels))
         return conform((features, labels), self.sig, rows=self.rows_per_pull, allow_short=True)
 
+    def _skip_short(self, rows: int) -> None:
+        """A short training batch is skipped (a step has a fixed batch size), counted, and
+        logged the 1st, 2nd, 4th, 8th, ... time."""
+        self.short_skipped += 1
+        count, step = self.short_skipped, self.global_step + 1
+        if count == 1:
+            log.warning(
+                "Skipping a short training batch of %d rows (batch size %d) before global step "
+                "%d; short batches inside the input are skipped, not trained on.",
+                rows,
+                self.rows_per_pull,
+                step,
+            )
+        elif count & (count - 1) == 0:
+            log.warning(
+                "%d short training batches skipped so far (the latest of %d rows, before "
+                "global step %d).",
+                count,
+                rows,
+                step,
+            )
+
     def skip(self, pulls: int) -> int:
         """Fast-forwards ``pulls`` batches; returns how many were really there."""
         done = 0
@@ -295,7 +344,7 @@ class Pipeline:
     def next_step(self) -> tuple[list, np.ndarray] | None:
         """One step's global batch leaves (padded) and its row mask, or None at the end."""
         parts, masks = [], []
-        for _ in range(self.pulls_per_step):
+        while len(parts) < self.pulls_per_step:
             got = self._pull()
             if got is None:
                 break
@@ -312,16 +361,13 @@ class Pipeline:
                     "with the batch size it is given"
                 )
             if n < self.rows_per_pull and not self.pad:
-                log.warning(
-                    "Dropping a final partial training batch of %d rows (batch size %d).",
-                    n,
-                    self.rows_per_pull,
-                )
-                return None
+                self._skip_short(n)
+                continue
             parts.append(_pad(leaves, self.rows_per_pull))
             masks.append(np.arange(self.rows_per_pull) < n)
         if not parts or not any(m.any() for m in masks):
             return None
+        self.global_step += 1
         while len(parts) < self.pulls_per_step:  # a partial step in PER_HOST_V2: pad replicas
             parts.append([np.zeros_like(x) for x in parts[0]])
             masks.append(np.zeros(self.rows_per_pull, bool))
@@ -378,8 +424,16 @@ class Prefetcher:
     their original traceback. ``close()`` stops the thread early.
     """
 
-    def __init__(self, produce: Callable[[], Any], *, depth: int = 2):
+    def __init__(
+        self,
+        produce: Callable[[], Any],
+        *,
+        depth: int = 2,
+        interrupt: threading.Event | None = None,
+    ):
         self._produce = produce
+        self.interrupt = interrupt  # once set, a wait for the next item ends as the end
+        self.interrupted = False
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._finished = False
@@ -414,7 +468,7 @@ class Prefetcher:
     def __next__(self):
         if self._finished:
             raise StopIteration
-        item = self._queue.get()
+        item = self._get()
         if item is _DONE:
             self._finished = True
             raise StopIteration
@@ -422,6 +476,18 @@ class Prefetcher:
             raise item
         return item
 
+    def _get(self):
+        """The next item; a wait polls ``interrupt`` (a stalled input must not hold a stop)."""
+        while True:
+            try:
+                return self._queue.get(timeout=0.1)
+            except queue.Empty:
+                if self.interrupt is not None and self.interrupt.is_set():
+                    self.interrupted = True
+                    return _DONE
+
     def close(self):
+        """Stops the thread; waits for it a little (not for an input stuck in a wait)."""
         self._stop.set()
-        self._thread.join(timeout=10)
+        stopping = self.interrupt is not None and self.interrupt.is_set()
+        self._thread.join(timeout=0.5 if stopping else 10)

@@ -46,16 +46,28 @@ class TracedValueError(EstimatorValueError):
     """A host function uses a value computed inside the compiled computation."""
 
 
+HOST_CALL_QUEUE_LOOPS = 2  # loops of host work that may wait behind the one running
+
+
 class HostWorker:
     """One background thread running submitted callables in submission order.
 
     The first error a task raises is kept and raised by the next ``check``/``join``/``submit``
     in the caller's thread, with its original traceback; every task after it is skipped, so
     a failed host call stops all host work.
+
+    Args:
+      name: the thread's name.
+      max_queued: with a number, ``submit`` waits while that many tasks wait behind the
+        running one, so a caller (the device loop) never runs further ahead of the host than
+        that; None queues without bound.
     """
 
-    def __init__(self, name: str = "host-calls"):
+    def __init__(self, name: str = "host-calls", *, max_queued: int | None = None):
         self._queue: queue.Queue = queue.Queue()
+        self._max_queued = max_queued
+        self._pending = 0  # submitted and not finished (queued + running)
+        self._changed = threading.Condition()
         self._error: BaseException | None = None
         self._failed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -63,7 +75,7 @@ class HostWorker:
 
     def _run(self):
         while True:
-            task = self._queue.get()
+            task, _ = self._queue.get()
             try:
                 if task is None:
                     return
@@ -73,16 +85,43 @@ class HostWorker:
                 self._failed = True
                 self._error = e
             finally:
-                self._queue.task_done()
+                self._done(1)
+
+    def _done(self, n: int) -> None:
+        with self._changed:
+            self._pending -= n
+            self._changed.notify_all()
 
     @property
     def failed(self) -> bool:
         """Whether a task has raised (later tasks are skipped)."""
         return self._failed
 
-    def submit(self, task: Callable[[], None]) -> None:
+    @property
+    def pending(self) -> int:
+        """Tasks submitted and not finished (the running one included)."""
+        return self._pending
+
+    def submit(
+        self,
+        task: Callable[[], None],
+        *,
+        what: Any = None,
+        interrupt: threading.Event | None = None,
+    ) -> None:
+        """Queues ``task``; first waits while ``max_queued`` tasks wait behind the running
+        one, unless ``interrupt`` is set. ``what`` describes it to ``cancel``."""
         self.check()
-        self._queue.put(task)
+        with self._changed:
+            while (
+                self._max_queued is not None
+                and self._pending > self._max_queued
+                and not self._failed
+                and not (interrupt is not None and interrupt.is_set())
+            ):
+                self._changed.wait(timeout=0.1)
+            self._pending += 1
+        self._queue.put((task, what))
 
     def check(self) -> None:
         """Raises the first error a task raised (once), with its original traceback."""
@@ -90,14 +129,38 @@ class HostWorker:
             error, self._error = self._error, None
             raise error
 
+    def drain(self, timeout: float) -> bool:
+        """Waits up to ``timeout`` seconds for every submitted task; whether all finished."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._pending <= 0, timeout=timeout)
+
+    def cancel(self) -> list:
+        """Drops the tasks not yet started; returns their ``what``, in order."""
+        dropped = []
+        while True:
+            try:
+                task, what = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if task is None:  # keep a close request
+                self._queue.put((None, None))
+                break
+            dropped.append(what)
+        if dropped:
+            self._done(len(dropped))
+        return dropped
+
     def join(self) -> None:
         """Waits for every submitted task, then raises the first error."""
-        self._queue.join()
+        self.drain(timeout=None)
         self.check()
 
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=30)
+    def close(self, timeout: float = 30) -> None:
+        """Stops the thread after the tasks queued; waits up to ``timeout`` seconds."""
+        with self._changed:
+            self._pending += 1
+        self._queue.put((None, None))
+        self._thread.join(timeout=timeout)
 
 
 # ----------------------------------------------------------------------------- traced values

@@ -55,8 +55,10 @@ class TrainOutcome(NamedTuple):
       stopped_by_hook: a hook asked to stop (e.g. early stopping).
       trained: whether any step ran (False when max_steps was already reached or the input
         was exhausted before the first step).
+      input_ended: training ended because the input did (not at its target or a stop).
     """
 
     step: int
     stopped_by_hook: bool = False
     trained: bool = True
+    input_ended: bool = False

@@ -28,11 +28,11 @@ from ..io.store import LastState, StateStore
 from ..parallel import multihost
 from ..scaffold import fresh_init_fn
 from ..spec import ModeKeys
-from . import progress
+from . import nonfinite, preemption, progress
 from .hook_runner import HookRunner, Session
-from .host import HostWorker, run_host_calls
+from .host import HOST_CALL_QUEUE_LOOPS, HostWorker, run_host_calls
 from .job import Job, TrainOutcome
-from .preemption import Preempted, PreemptionWatcher
+from .preemption import StopSignals
 from .train_hooks import LossLoggingHook, TrainSummaryHook
 
 log = logging.getLogger("estimator")
@@ -172,11 +172,16 @@ def _open_input(job: Job, input_fn, meta: dict, target_fn):
         planned[0] += max(n, 0)
         return n
 
-    prefetch = job.feeder.prefetch(pipe, schedule, fill=False, skip=skip)
+    pipe.global_step = begin
+    signals = preemption.active()  # a stop request ends a wait for input
+    interrupt = None if signals is None else signals.event
+    prefetch = job.feeder.prefetch(pipe, schedule, fill=False, skip=skip, interrupt=interrupt)
     try:
         first = next(prefetch)
     except StopIteration:
         prefetch.close()
+        if interrupt is not None and interrupt.is_set():
+            return None
         if skip:
             log.warning("Input ended: nothing left to train after %d consumed batches.", skip)
             return None
@@ -294,11 +299,39 @@ def _train_locked(
         ] + _planned_last_steps(hooks, begin)
         return min(targets) if targets else None
 
-    with PreemptionWatcher() as watcher:
+    with StopSignals() as signals:
         started = _start(job, input_fn, latest, target_fn, warm_start_from)
-        if started is None:
+        if started is None and not signals.requested:
             return TrainOutcome(start_step, trained=False)
-        return _run(job, started, hooks, target_fn, watcher, startup, saving_listeners)
+        outcome = (
+            TrainOutcome(start_step, trained=False)
+            if started is None
+            else _run(job, started, hooks, target_fn, startup, saving_listeners)
+        )
+    if signals.requested:  # SIGTERM or Ctrl-C: the checkpoint of the step is committed
+        ckpts = job.store.writer()
+        path = ckpts.path(outcome.step) if outcome.step in ckpts.steps() else None
+        raise signals.stop_error(outcome.step, path).with_traceback(None) from None
+    if outcome.input_ended:
+        _log_input_end(outcome.step, steps=steps, max_steps=max_steps, target=target_fn(start_step))
+    return outcome
+
+
+def _log_input_end(step: int, *, steps, max_steps, target) -> None:
+    """Training ended because the input did: say where, and what was not reached."""
+    if target is None:
+        log.info("Input ended at global step %d.", step)
+    elif step < target and max_steps is not None and target == max_steps:
+        log.warning("Input ended at global step %d: max_steps = %d was not reached.", step, target)
+    elif step < target and steps is not None:
+        log.warning(
+            "Input ended at global step %d: steps = %d (to global step %d) was not reached.",
+            step,
+            steps,
+            target,
+        )
+    elif step < target:
+        log.warning("Input ended at global step %d, before the planned stop at %d.", step, target)
 
 
 def _checked_listeners(listeners) -> list:
@@ -327,9 +360,7 @@ def _check_loss_dtype(spec) -> None:
         )
 
 
-def _run(
-    job: Job, started: _Started, hooks, target_fn, watcher, startup, saving_listeners
-) -> TrainOutcome:
+def _run(job: Job, started: _Started, hooks, target_fn, startup, saving_listeners) -> TrainOutcome:
     try:
         _check_loss_dtype(job.programs.spec(ModeKeys.TRAIN))
     except TypeError:
@@ -352,7 +383,7 @@ def _run(
     ]
     if progress.progress_enabled(job.config.progress_bar):
         extra.append(progress.ProgressBarHook(start=step, total=target_fn(step)))
-    return _train(job, started, list(hooks or ()) + extra, watcher, saving_listeners)
+    return _train(job, started, list(hooks or ()) + extra, saving_listeners)
 
 
 def _loop_values(config: RunConfig, state: TrainState, losses, steps, host) -> dict:
@@ -366,7 +397,7 @@ def _loop_values(config: RunConfig, state: TrainState, losses, steps, host) -> d
     return values
 
 
-def _train(job: Job, started: _Started, user_hooks, watcher, saving_listeners) -> TrainOutcome:
+def _train(job: Job, started: _Started, user_hooks, saving_listeners) -> TrainOutcome:
     cfg, run, prefetch = job.config, started.run, started.prefetch
     ckpts = job.store.writer()
     writer = summary.writer_for(job.model_dir)
@@ -384,20 +415,26 @@ def _train(job: Job, started: _Started, user_hooks, watcher, saving_listeners) -
     all_hooks = defaults + given
     runner = HookRunner(all_hooks, session, examples_per_step=global_batch)
     loop = job.programs.train(started.model_batch)
-    worker = HostWorker()
+    worker = HostWorker(max_queued=HOST_CALL_QUEUE_LOOPS)  # the device waits for a slow host
+    signals = preemption.active()
+    names = nonfinite.state_leaf_names(run.state.params, run.state.state, run.state.opt_state)
     every_n = cfg.tpu_config.host_call_every_n_steps
     runner.begin()
     for listener in saver.listeners:
         listener.begin()
     runner.after_create_session()
-    chunk, preempted, stopped = started.first, False, False
+    chunk, losses, stopped = started.first, None, False
+    if signals.requested and not multihost.is_multiprocess():
+        chunk = None  # stopped during start-up: save the state as it is
     job.store.forget()  # the state is donated to the loop from here on
     try:
         while chunk is not None:
             steps = np.arange(step + 1, step + chunk.steps + 1)
             runner.before_run(steps)
-            run.state, (losses, host) = loop(run.state, chunk.features, chunk.labels)
-            losses, host = multihost.to_host((losses, host))  # global rows on every process
+            run.state, (losses, host, finite) = loop(run.state, chunk.features, chunk.labels)
+            # global rows on every process
+            losses, host, finite = multihost.to_host((losses, host, finite))
+            nonfinite.check_finite(finite, losses, steps, names)  # before anything is saved
             step += chunk.steps
             run.position.input_pulls += chunk.pulls
             run.position.input_state = chunk.input_state
@@ -405,35 +442,69 @@ def _train(job: Job, started: _Started, user_hooks, watcher, saving_listeners) -
             host_call = spec.host_call
             if host_call is not None and multihost.is_process_0():  # once, on process 0
                 worker.submit(
-                    lambda f=host_call[0], h=host, s=steps: run_host_calls(f, h, s, every_n, writer)
+                    lambda f=host_call[0], h=host, s=steps: run_host_calls(
+                        f, h, s, every_n, writer
+                    ),
+                    what=(int(steps[0]), int(steps[-1])),
+                    interrupt=signals.event,
                 )
             stop = runner.after_run(_loop_values(cfg, run.state, losses, steps, host), steps)
             multihost.check_worker(worker, "host_call")
             saver.maybe_save(step)
-            stop, preempted = multihost.any_of(  # all stop together
-                stop or saver.stop_requested, watcher.requested
+            stop, stopping = multihost.any_of(  # all stop together
+                stop or saver.stop_requested, signals.requested
             )
             if stop:
                 stopped = True
                 break
-            if preempted:  # SIGTERM: checkpoint this step below, then exit
+            if stopping:  # SIGTERM or Ctrl-C: checkpoint this step below, then stop
                 break
-            chunk = next(prefetch, None)
+            chunk = next(prefetch, None)  # None also when a stop request ends a wait
+        input_ended = chunk is None and not signals.requested
         runner.end()
-        multihost.check_worker(worker, "host_call", join=True)
-        if preempted:  # no evaluation or other listener work in the grace period
+        if signals.requested:  # no evaluation or other listener work in the grace period
             saver.listeners = []
-        saver.save(step)
-        for listener in saver.listeners:
-            listener.end(session, step)
+            _save_then_drain(saver, ckpts, worker, step)
+        else:
+            multihost.check_worker(worker, "host_call", join=True)
+            saver.save(step)
+            for listener in saver.listeners:
+                listener.end(session, step)
         job.store.remember(LastState(step, run.state, saver.meta(step)))
-        log.info("Loss for final step: %.4g.", float(losses[-1]))
+        if losses is not None:
+            log.info("Loss for final step: %.4g.", float(losses[-1]))
     finally:
         prefetch.close()
-        worker.close()
-        ckpts.wait()
+        worker.close(timeout=0.5 if signals.requested else 30)
+        _wait_committed(ckpts)
         # Closing (not flush) waits for tensorboardX's queue: summaries are on disk on return.
         summary.close(job.model_dir)
-    if preempted:  # the checkpoint of ``step`` is on disk: exit as TF's handler did
-        raise Preempted(step, ckpts.path(step))
-    return TrainOutcome(step, stopped_by_hook=stopped)
+    return TrainOutcome(step, stopped_by_hook=stopped, input_ended=input_ended)
+
+
+def _save_then_drain(saver: _Saver, ckpts: Checkpoints, worker: HostWorker, step: int) -> None:
+    """On a stop request: the checkpoint first (committed), then host work still queued gets
+    ``HOST_DRAIN_SECS``; what is left is skipped with a warning."""
+    saver.save(step)
+    ckpts.wait()
+    if not worker.drain(timeout=preemption.HOST_DRAIN_SECS):
+        skipped = [w for w in worker.cancel() if w is not None]
+        if skipped:
+            log.warning(
+                "Stopping: host_call skipped for steps %d-%d (%d loops still queued after %.0f s).",
+                skipped[0][0],
+                skipped[-1][1],
+                len(skipped),
+                preemption.HOST_DRAIN_SECS,
+            )
+    worker.check()
+
+
+def _wait_committed(ckpts: Checkpoints) -> None:
+    """Waits for a checkpoint write in flight, even when a second Ctrl-C lands in the wait
+    (an Orbax thread left running at exit prints tracebacks)."""
+    try:
+        ckpts.wait()
+    except KeyboardInterrupt:
+        ckpts.wait()
+        raise

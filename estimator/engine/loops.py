@@ -92,6 +92,23 @@ def mean_gradients(grads: Any) -> Any:
     return jax.tree.map(one, grads)
 
 
+def finite_flags(tree: Any) -> jax.Array:
+    """``[leaves]`` bools, one per floating-point leaf of ``tree``: all its values finite.
+
+    Agreed over ``"data"`` inside a ``shard_map`` (all replicas must be finite), so the result
+    is replicated.
+    """
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    flags = jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]) if leaves else jnp.ones(0, bool)
+    if is_varying(flags, DATA):
+        flags = lax.pmin(flags.astype(jnp.int32), DATA) > 0
+    return flags
+
+
+def _state_flags(state: TrainState) -> jax.Array:
+    return finite_flags((state.params, state.state, state.opt_state))
+
+
 def _scalar_loss(spec: TPUEstimatorSpec) -> jax.Array:
     return jnp.reshape(spec.loss, ()).astype(jnp.float32)
 
@@ -173,10 +190,8 @@ def _train_step_parts(
             optax.apply_updates(state.params, updates), opt_state, new_state
         )
         new = TrainState(params, new_state, opt_state, state.step + 1, state.rng, state.nonfinite)
-        if skip_nonfinite:
-            finite = jnp.isfinite(loss) & jnp.all(
-                jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)] or [True])
-            )
+        if skip_nonfinite:  # skipped if its loss, its gradient or the new state is not finite
+            finite = jnp.isfinite(loss) & jnp.all(finite_flags(grads)) & jnp.all(_state_flags(new))
             kept = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, state)
             new = kept._replace(step=state.step + 1, nonfinite=state.nonfinite + (~finite))
         return new
@@ -197,7 +212,9 @@ def make_train_loop(
     shard_optimizer_state: bool = False,
     shard_params: bool = False,
 ):
-    """``loop(state, batch) -> (state, (loss[n], host_tensors[n, ...]))``, state donated.
+    """``loop(state, batch) -> (state, (loss[n], host_tensors[n, ...], finite[n, leaves]))``,
+    state donated. ``finite`` flags every floating-point leaf of the new params, collections
+    and optimizer state per step (``finite_flags``); the host checks it before any save.
 
     ``var_specs`` ({"params": ..., collection: ...} of PartitionSpecs) keeps variables sharded
     over ``"model"``; ``input_specs`` (features, labels) splits inputs spatially.
@@ -234,7 +251,8 @@ def make_train_loop(
         loss, grads, new_state, host = gradients(state, *batch)
         grads = mean_gradients(grads)
         loss = lax.pmean(loss, DATA)
-        return update(state, loss, grads, replica_mean(new_state), place), (loss, host)
+        new = update(state, loss, grads, replica_mean(new_state), place)
+        return new, (loss, host, _state_flags(new))
 
     def loop(state: TrainState, features, labels):
         return _scan(step_fn, state, (features, labels), unroll)
@@ -243,7 +261,7 @@ def make_train_loop(
         loop,
         mesh=mesh,
         in_specs=(P(), P(None, DATA), P(None, DATA)),
-        out_specs=(P(), (P(), P(None, DATA))),
+        out_specs=(P(), (P(), P(None, DATA), P())),
         axis_names={DATA},
     )
     return jax.jit(sharded, donate_argnums=0)
@@ -304,7 +322,8 @@ def make_sharded_state_train_loop(
             )
 
         grads = zero.constrain(grads, mesh, sharded)
-        return update(state, loss, grads, new_state, place), (loss, host)
+        new = update(state, loss, grads, new_state, place)
+        return new, (loss, host, _state_flags(new))
 
     def loop(state: TrainState, features, labels):
         return _scan(step_fn, state, (features, labels), unroll)

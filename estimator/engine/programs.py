@@ -57,7 +57,8 @@ class Programs:
         )
 
     def train(self, batch_size: int) -> Callable:
-        """``loop(state, features, labels) -> (state, (losses, host))`` over stacked steps."""
+        """``loop(state, features, labels) -> (state, (losses, host, finite))`` over stacked
+        steps (``finite``: per-step all-finite flags of the new state, ``loops.finite_flags``)."""
         return self._get(
             ("train", batch_size),
             lambda: make_train_loop(

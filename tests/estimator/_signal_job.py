@@ -43,6 +43,8 @@ import estimator  # noqa: E402
 import hooks  # noqa: E402
 
 BATCH = 32
+
+
 def data(n: int = 256, d: int = 8, classes: int = 4):
     rng = np.random.RandomState(0)
     x = rng.randn(n, d).astype(np.float32)
@@ -110,9 +112,7 @@ def make_estimator(model_dir: str, *, host_sleep: float | None, cache: str | Non
         save_summary_steps=0,
         compilation_cache_dir=cache,
     )
-    return estimator.TPUEstimator(
-        make_model_fn(host_sleep), config=config, train_batch_size=BATCH
-    )
+    return estimator.TPUEstimator(make_model_fn(host_sleep), config=config, train_batch_size=BATCH)
 
 
 def run_phase(name: str, workdir: str, cache: str | None) -> None:

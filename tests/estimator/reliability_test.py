@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -142,17 +143,35 @@ def test_nonfinite_loss_stops_at_its_step_before_any_checkpoint_of_it(tmp_path, 
         assert np.isfinite(est.get_variable_value(name)).all(), name
 
 
+def _nan_loss_only_model_fn(features, labels, mode, params):
+    """The loss is NaN where ``features["probe"]`` is, the gradient and state stay finite."""
+    spec = h.model_fn({"x": features["x"]}, labels, mode, params)
+    spec.loss = spec.loss + 0.0 * jax.lax.stop_gradient(features["probe"].sum())
+    return spec
+
+
 def test_user_nan_hook_replaces_the_default_check(tmp_path, caplog):
-    x, y = _data_with(np.nan, row=16 * 5 + 3)
-    est = _est(tmp_path, ipl=4)
+    x, y = h.make_data()
+    probe = np.zeros((len(x), 1), np.float32)
+    probe[16 * 5 + 3] = np.nan  # batch 5 = global step 6: its loss is NaN, its state finite
+
+    def input_fn(params):
+        while True:
+            for i in range(0, len(x), 16):
+                yield {"x": x[i : i + 16], "probe": probe[i : i + 16]}, y[i : i + 16]
+
+    est = estimator.TPUEstimator(
+        _nan_loss_only_model_fn,
+        config=h.config(tmp_path, iterations_per_loop=4, save_checkpoints_steps=2),
+        train_batch_size=16,
+    )
     with caplog.at_level(logging.ERROR, logger="estimator"):
         est.train(
-            h.train_input_fn(x, y),
-            max_steps=12,
-            hooks=[hooks.NanTensorHook("loss", fail_on_nan_loss=False)],
+            input_fn, max_steps=12, hooks=[hooks.NanTensorHook("loss", fail_on_nan_loss=False)]
         )
     assert "Model diverged with loss = NaN at global step 6" in caplog.text
     assert est.get_variable_value("global_step") == 8  # stopped after that loop, no error
+    assert _saved_steps(tmp_path) == [4, 8]  # the state stayed finite: step 8 was saved
 
 
 def test_skip_nonfinite_steps_skips_on_every_replica_and_counts(tmp_path):
