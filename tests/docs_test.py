@@ -112,9 +112,6 @@ def test_runnable_blocks_run(page, docs_tmp):
     _page_namespace(page, docs_tmp)
 
 
-@pytest.mark.xfail(
-    reason="until issue 18b: a short batch in the stream ends training", strict=False
-)
 def test_quick_start_trains_evaluates_and_predicts(docs_tmp):
     ns = _page_namespace("README.md", docs_tmp)
     steps = 500 if AS_WRITTEN else 500 // 25

@@ -64,11 +64,19 @@ class _Saver:
     """
 
     def __init__(
-        self, config: RunConfig, ckpts: Checkpoints, run: _Run, store: StateStore, listeners=()
+        self,
+        config: RunConfig,
+        ckpts: Checkpoints,
+        run: _Run,
+        store: StateStore,
+        listeners=(),
+        *,
+        pulls_per_step: int = 1,
     ):
         self.ckpts, self.run, self.store = ckpts, run, store
         self.listeners, self.session = list(listeners), None
         self.stop_requested = False
+        self.pulls_per_step = pulls_per_step
         self.every_steps = config.save_checkpoints_steps
         self.every_secs = config.checkpoint_every_secs
         self.last_step = None
@@ -103,6 +111,8 @@ class _Saver:
         """The JSON meta of a checkpoint: the step and the input position after it."""
         position = self.run.position
         out = {"global_step": step, "input_pulls": position.input_pulls}
+        # Pulls beyond the steps' own: short batches skipped (bounds a resume's fast-forward).
+        out["skipped_pulls"] = max(position.input_pulls - step * self.pulls_per_step, 0)
         if multihost.is_multiprocess():  # one iterator per process: keep every position
             states = multihost.gather_objects(position.input_state)
             if any(s is not None for s in states):
@@ -402,7 +412,14 @@ def _train(job: Job, started: _Started, user_hooks, saving_listeners) -> TrainOu
     ckpts = job.store.writer()
     writer = summary.writer_for(job.model_dir)
     spec = job.programs.spec(ModeKeys.TRAIN)
-    saver = _Saver(cfg, ckpts, run, job.store, saving_listeners)
+    saver = _Saver(
+        cfg,
+        ckpts,
+        run,
+        job.store,
+        saving_listeners,
+        pulls_per_step=job.feeder.layout(ModeKeys.TRAIN).pulls_per_step,
+    )
     step = int(jax.device_get(run.state.step))
     saver.last_step = step if ckpts.steps() else None
     global_batch = job.feeder.layout(ModeKeys.TRAIN).global_rows or started.model_batch
