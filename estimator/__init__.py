@@ -23,6 +23,7 @@ _EXPORTS = {
     ".cluster.cluster": ("TPUClusterResolver",),
     ".config": ("InputPipelineConfig", "RunConfig", "TPUConfig"),
     ".context": ("get_global_step", "padding_mask"),
+    ".cross_shard_optimizer": ("CrossShardOptimizer",),
     ".driver.host": ("TracedValueError",),
     ".driver.preemption": ("Preempted",),
     ".errors": (
@@ -34,8 +35,15 @@ _EXPORTS = {
     ".export_output": ("ClassificationOutput", "PredictOutput", "RegressionOutput"),
     ".input_context": ("InputContext",),
     ".io.export": ("build_raw_serving_input_receiver_fn", "load_saved_model"),
+    ".io.checkpoint_utils": (
+        "checkpoints_iterator",
+        "latest_checkpoint",
+        "list_variables",
+        "load_variable",
+    ),
     ".io.inference": ("rewrite_for_inference", "validate_inference_rewrite_for_variables"),
     ".io.lock": ("ModelDirInUseError",),
+    ".io.variables": ("name_mask", "named_variables"),
     ".parallel.outside_compilation": ("outside_compilation",),
     ".parallel.replica_context": ("ReduceOp", "get_replica_context"),
     ".scaffold": ("Scaffold", "WarmStartSettings", "init_from_checkpoint"),
@@ -50,6 +58,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "ClassificationOutput",
+    "CrossShardOptimizer",
     "DeviceAssignment",
     "EstimatorError",
     "EstimatorSpec",
@@ -75,11 +84,17 @@ __all__ = [
     "TrainSpec",
     "WarmStartSettings",
     "build_raw_serving_input_receiver_fn",
+    "checkpoints_iterator",
     "get_global_step",
     "get_replica_context",
     "get_strategy",
     "init_from_checkpoint",
+    "latest_checkpoint",
+    "list_variables",
     "load_saved_model",
+    "load_variable",
+    "name_mask",
+    "named_variables",
     "outside_compilation",
     "padding_mask",
     "rewrite_for_inference",
@@ -132,6 +147,7 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from .cluster.cluster import TPUClusterResolver
     from .config import InputPipelineConfig, RunConfig, TPUConfig
     from .context import get_global_step, padding_mask
+    from .cross_shard_optimizer import CrossShardOptimizer
     from .driver.host import TracedValueError
     from .driver.preemption import Preempted
     from .errors import (
@@ -142,9 +158,16 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     )
     from .export_output import ClassificationOutput, PredictOutput, RegressionOutput
     from .input_context import InputContext
+    from .io.checkpoint_utils import (
+        checkpoints_iterator,
+        latest_checkpoint,
+        list_variables,
+        load_variable,
+    )
     from .io.export import build_raw_serving_input_receiver_fn, load_saved_model
     from .io.inference import rewrite_for_inference, validate_inference_rewrite_for_variables
     from .io.lock import ModelDirInUseError
+    from .io.variables import name_mask, named_variables
     from .parallel.outside_compilation import outside_compilation
     from .parallel.replica_context import ReduceOp, get_replica_context
     from .scaffold import Scaffold, WarmStartSettings, init_from_checkpoint

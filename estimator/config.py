@@ -11,8 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import os
+import threading
 from typing import Any
+
+log = logging.getLogger("estimator")
+_TF_ONLY = ("master", "evaluation_master", "session_config")
+_QUIET = threading.local()
 
 
 class InputPipelineConfig(enum.IntEnum):
@@ -114,6 +120,10 @@ class RunConfig:
         are not finite, count it in the ``nonfinite_steps`` summary, and keep training.
       progress_bar: a tqdm bar on a terminal (``None``: when stderr is a terminal).
       resume_input_position: on resuming, skip the training batches already consumed.
+
+    TF-only arguments ``master``, ``evaluation_master`` and ``session_config`` are accepted
+    (keyword-only) so ported programs run unchanged; they mean nothing here and are ignored
+    with one warning naming them.
     """
 
     model_dir: str | None = None
@@ -130,8 +140,17 @@ class RunConfig:
     skip_nonfinite_steps: bool = False
     progress_bar: bool | None = None
     resume_input_position: bool = True
+    master: Any = None
+    evaluation_master: Any = None
+    session_config: Any = None
 
     def __post_init__(self):
+        ignored = [n for n in _TF_ONLY if getattr(self, n) is not None]
+        if ignored and not getattr(_QUIET, "on", False):
+            log.warning(
+                "RunConfig: %s ignored (TensorFlow session settings have no meaning here)",
+                ", ".join(ignored),
+            )
         if self.tpu_config is None:
             object.__setattr__(self, "tpu_config", TPUConfig())
         if not isinstance(self.tpu_config, TPUConfig):
@@ -180,4 +199,8 @@ class RunConfig:
             kwargs["save_checkpoints_secs"] = None
         if "save_checkpoints_secs" in kwargs and "save_checkpoints_steps" not in kwargs:
             kwargs["save_checkpoints_steps"] = None
-        return dataclasses.replace(self, **kwargs)
+        _QUIET.on = True  # a copy: the ignored TF arguments were already warned about
+        try:
+            return dataclasses.replace(self, **kwargs)
+        finally:
+            _QUIET.on = False

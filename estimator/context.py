@@ -27,6 +27,9 @@ class CallContext:
     mask: Any  # float32 [per-replica batch]
     global_step: Any  # int32 scalar
     initializing: bool = False  # model_fn is traced only to create variables
+    # What this call of model_fn did that the estimator acts on afterwards (e.g. it read the
+    # padding mask, or called init_from_checkpoint): the ModelFn keeps the last trace's notes.
+    notes: dict = dataclasses.field(default_factory=dict, compare=False)
 
 
 @contextlib.contextmanager
@@ -57,6 +60,7 @@ def padding_mask() -> jnp.ndarray:
     ctx = current()
     if ctx is None:
         raise RuntimeError("estimator.padding_mask() can only be called inside model_fn")
+    ctx.notes["padding_mask"] = True  # its loss is taken as masked (see driver/eval_loss.py)
     return ctx.mask
 
 

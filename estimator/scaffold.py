@@ -4,7 +4,8 @@ All of these run only when training starts with no checkpoint in ``model_dir``; 
 run never re-initialises. They see and return every collection (``params`` and e.g.
 ``batch_stats``) as numpy, named ``module/.../leaf`` for params and
 ``collection/module/.../leaf`` for other collections. ``warm_start_from`` is applied first,
-then the spec's ``Scaffold.init_fn``. Restores log (INFO, logger ``estimator``) which
+then every ``init_from_checkpoint`` called directly inside model_fn (TF's non-TPU idiom, as
+BERT writes it), then the spec's ``Scaffold.init_fn``. Restores log (INFO, logger ``estimator``) which
 variables matched and which kept their initial values.
 
 Example:
@@ -18,14 +19,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
+from . import context
 from .driver.host import check_no_traced_values, traced_value_guard
 from .io.checkpoint import read_variables
 from .io.variables import flatten, unflatten_into
+from .spec import ModeKeys
 
 log = logging.getLogger("estimator")
 
@@ -97,8 +100,15 @@ def init_from_checkpoint(path: str, assignment_map: dict[str, str]) -> Callable[
       ``init_fn(variables) -> variables`` for ``Scaffold``; it raises ValueError naming a
       variable whose shape differs from the checkpoint's.
 
+    Called directly inside model_fn in TRAIN mode (TF's idiom, no scaffold), it also
+    registers itself: the restore is applied on a fresh start exactly as from ``scaffold_fn``
+    (after warm start, before the scaffold's ``init_fn``). In EVAL/PREDICT the variables come
+    from the estimator's own checkpoint, so nothing is registered there (as in TF).
+
     Example:
       >>> init_fn = init_from_checkpoint("/runs/pretrain", {"encoder/": "encoder/"})
+      >>> def model_fn(features, labels, mode, params):
+      ...     init_from_checkpoint(params["init_checkpoint"], {"bert/": "bert/"})  # TF's form
     """
     if not isinstance(assignment_map, dict) or not assignment_map:
         raise ValueError("assignment_map must be a non-empty dict {checkpoint_name: name}")
@@ -111,7 +121,13 @@ def init_from_checkpoint(path: str, assignment_map: dict[str, str]) -> Callable[
             variables, read_variables(path), mapping, f"init_from_checkpoint({path})"
         )
 
+    ctx = context.current()
+    if ctx is not None and ctx.mode == ModeKeys.TRAIN:  # called inside model_fn
+        ctx.notes.setdefault(IN_MODEL_FN, []).append(init_fn)
     return init_fn
+
+
+IN_MODEL_FN = "init_from_checkpoint"  # the ModelFn note listing in-model_fn init functions
 
 
 def _source_name(name: str, assignment_map: dict[str, str]) -> str | None:
@@ -158,12 +174,16 @@ def _call_scaffold_fn(scaffold_fn: Callable) -> Scaffold:
     return scaffold
 
 
-def fresh_init_fn(spec: Any, warm_start_from: Any = None) -> Callable[[dict], dict] | None:
-    """Warm start then the TRAIN spec's scaffold ``init_fn``, composed; None when neither is
+def fresh_init_fn(
+    spec: Any, warm_start_from: Any = None, *, in_model_fn: Sequence[Callable] = ()
+) -> Callable[[dict], dict] | None:
+    """Warm start, then the ``init_from_checkpoint`` calls made inside model_fn
+    (``in_model_fn``), then the TRAIN spec's scaffold ``init_fn``, composed; None when none is
     set. ``warm_start_from`` is the estimator's argument (a path or ``WarmStartSettings``)."""
     fns = []
     if warm_start_from is not None:
         fns.append(_warm_start_fn(warm_start_from))
+    fns.extend(in_model_fn)
     scaffold_fn = spec.scaffold_fn
     if scaffold_fn is not None:
         scaffold = _call_scaffold_fn(scaffold_fn)

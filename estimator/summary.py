@@ -46,10 +46,11 @@ _LOCK = threading.Lock()
 _COUNTER = itertools.count()
 
 
-def writer_for(logdir: str):
+def writer_for(logdir: str, *, max_queue: int | None = None, flush_millis: float | None = None):
     """The shared tensorboardX writer of ``logdir`` (one per directory per process).
 
-    Returns None on processes other than 0, which write nothing.
+    ``max_queue`` (events held before a write) and ``flush_millis`` apply when this call
+    opens the directory. Returns None on processes other than 0, which write nothing.
     """
     if jax.process_index() != 0:
         return None
@@ -60,9 +61,10 @@ def writer_for(logdir: str):
             # A unique suffix: tensorboardX names files by the second, and two writers opened
             # in the same second in one directory would overwrite each other's file.
             suffix = f".{os.getpid()}.{next(_COUNTER)}"
-            w = _WRITERS[logdir] = SummaryWriter(
-                logdir=logdir, flush_secs=10, filename_suffix=suffix
-            )
+            options = {"flush_secs": 10 if flush_millis is None else flush_millis / 1000.0}
+            if max_queue is not None:
+                options["max_queue"] = int(max_queue)
+            w = _WRITERS[logdir] = SummaryWriter(logdir=logdir, filename_suffix=suffix, **options)
         return w
 
 
@@ -102,30 +104,41 @@ def close(logdir: str) -> None:
 
 
 @contextlib.contextmanager
-def record(writer: Any, step: int) -> Iterator[None]:
-    """Makes ``writer`` and ``step`` current for the ``estimator.summary`` functions.
+def record(writer: Any, step: int | None) -> Iterator[None]:
+    """Makes ``writer`` and ``step`` current for the ``estimator.summary`` functions
+    (``step=None``: each call must pass its own ``step``).
 
     Example:
       >>> with record(writer_for("/tmp/run"), step=10):
       ...     scalar("accuracy", 0.9)
     """
     prev = getattr(_LOCAL, "current", None)
-    _LOCAL.current = (writer, int(step))
+    _LOCAL.current = (writer, None if step is None else int(np.asarray(step).reshape(())))
     try:
         yield
     finally:
         _LOCAL.current = prev
 
 
-def _target(step: int | None) -> tuple[Any, int]:
+def _target(step: Any) -> tuple[Any, int]:
+    """(writer, step) to write to; the writer is None when nothing should be written (another
+    process, or a recording condition that says no)."""
     current = getattr(_LOCAL, "current", None)
     if current is None:
         raise RuntimeError(
             "estimator.summary functions write to the writer the estimator makes current; call "
-            "them from a host_call function (or inside summary.record(writer, step))"
+            "them from a host_call function (or inside summary.record(writer, step), or "
+            "create_file_writer(logdir).as_default())"
         )
     writer, default_step = current
-    return writer, default_step if step is None else int(step)
+    step = default_step if step is None else int(np.asarray(step).reshape(()))
+    if step is None:
+        raise ValueError("no global step is current here: pass step= to the summary function")
+    return (writer if _should_record(step) else None), step
+
+
+def _tag(name: str, family: str | None) -> str:
+    return name if not family else f"{family}/{name}"
 
 
 def _value(name: str, x: Any) -> float:
@@ -135,8 +148,10 @@ def _value(name: str, x: Any) -> float:
     return float(arr.reshape(()))
 
 
-def scalar(name: str, value: Any, step: int | None = None) -> None:
+def scalar(name: str, value: Any, step: int | None = None, *, family: str | None = None) -> None:
     """Writes a scalar at ``step`` (default: the global step of the current host call).
+
+    ``family`` (TF's) prefixes the tag: ``family/name``.
 
     Raises:
       ValueError: ``value`` has more than one element.
@@ -144,14 +159,21 @@ def scalar(name: str, value: Any, step: int | None = None) -> None:
     writer, step = _target(step)
     value = _value(name, value)
     if writer is not None:
-        writer.add_scalar(name, value, global_step=step)
+        writer.add_scalar(_tag(name, family), value, global_step=step)
 
 
-def histogram(name: str, values: Any, step: int | None = None, bins: str = "tensorflow") -> None:
+def histogram(
+    name: str,
+    values: Any,
+    step: int | None = None,
+    bins: str = "tensorflow",
+    *,
+    family: str | None = None,
+) -> None:
     """Writes a histogram of ``values`` (any shape) at ``step``."""
     writer, step = _target(step)
     if writer is not None:
-        writer.add_histogram(name, np.asarray(values), global_step=step, bins=bins)
+        writer.add_histogram(_tag(name, family), np.asarray(values), global_step=step, bins=bins)
 
 
 def image(name: str, data: Any, step: int | None = None, dataformats: str = "HWC") -> None:
@@ -166,6 +188,141 @@ def text(name: str, data: str, step: int | None = None) -> None:
     writer, step = _target(step)
     if writer is not None:
         writer.add_text(name, str(data), global_step=step)
+
+
+# --------------------------------------------------------------------------- tf.contrib.summary
+# The TF 1 idiom of host_call functions (ResNet's):
+#     with summary.create_file_writer(model_dir, max_queue=ipl).as_default():
+#         with summary.always_record_summaries():
+#             summary.scalar("loss", loss[0], step=gs)
+#             return summary.all_summary_ops()
+_OPENED: set[str] = set()  # logdirs opened by create_file_writer, closed by close_file_writers
+
+
+class FileWriter:
+    """The writer ``create_file_writer`` returns: ``as_default()`` makes it current.
+
+    Inside ``as_default()`` the ``estimator.summary`` functions write to this directory; the
+    step is the one passed to them, else the current host call's global step.
+    """
+
+    def __init__(self, logdir: str, *, max_queue: int | None, flush_millis: float | None):
+        self.logdir = os.path.abspath(logdir)
+        self._options = {"max_queue": max_queue, "flush_millis": flush_millis}
+
+    def _writer(self):
+        with _LOCK:
+            _OPENED.add(self.logdir)
+        return writer_for(self.logdir, **self._options)
+
+    @contextlib.contextmanager
+    def as_default(self) -> Iterator[FileWriter]:
+        current = getattr(_LOCAL, "current", None)
+        step = current[1] if current is not None else None
+        with record(self._writer(), step):
+            yield self
+
+    def flush(self) -> None:
+        writer = self._writer()
+        if writer is not None:
+            writer.flush()
+
+    def close(self) -> None:
+        close(self.logdir)
+
+    def __repr__(self) -> str:
+        return f"FileWriter({self.logdir!r})"
+
+
+def create_file_writer(
+    logdir: str,
+    max_queue: int | None = None,
+    flush_millis: float | None = None,
+    filename_suffix: str | None = None,
+    name: str | None = None,
+) -> FileWriter:
+    """TF's ``tf.contrib.summary.create_file_writer``: a writer for ``logdir``.
+
+    One writer is shared per directory and process (the estimator's own for ``model_dir``);
+    the estimator closes the writers opened here when ``train`` returns, so every event is on
+    disk then. ``max_queue`` and ``flush_millis`` apply when this call opens the directory;
+    ``filename_suffix`` and ``name`` are accepted and unused.
+
+    Example:
+      >>> def host_call_fn(gs, loss):
+      ...     with summary.create_file_writer(model_dir, max_queue=100).as_default():
+      ...         with summary.always_record_summaries():
+      ...             summary.scalar("loss", loss[0], step=gs[0])
+      ...             return summary.all_summary_ops()
+    """
+    del filename_suffix, name
+    if not isinstance(logdir, (str, os.PathLike)) or not str(logdir):
+        raise ValueError(f"create_file_writer needs a directory, got {logdir!r}")
+    return FileWriter(str(logdir), max_queue=max_queue, flush_millis=flush_millis)
+
+
+@contextlib.contextmanager
+def _recording(condition: Callable[[int | None], bool]) -> Iterator[None]:
+    prev = getattr(_LOCAL, "condition", None)
+    _LOCAL.condition = condition
+    try:
+        yield
+    finally:
+        _LOCAL.condition = prev
+
+
+def always_record_summaries():
+    """Context in which summaries are written at every step (the default here)."""
+    return _recording(lambda step: True)
+
+
+def never_record_summaries():
+    """Context in which the summary functions write nothing."""
+    return _recording(lambda step: False)
+
+
+def record_summaries_every_n_global_steps(n: int, global_step: Any = None):
+    """Context in which summaries are written only when the step is a multiple of ``n``.
+
+    Args:
+      n: a positive int.
+      global_step: the step to test (a number or one-element array); default the step each
+        summary is written at.
+    """
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n <= 0:
+        raise ValueError(f"record_summaries_every_n_global_steps needs n > 0, got {n!r}")
+    fixed = None if global_step is None else int(np.asarray(global_step).reshape(()))
+
+    def condition(step: int | None) -> bool:
+        s = fixed if fixed is not None else step
+        return s is not None and s % int(n) == 0
+
+    return _recording(condition)
+
+
+def should_record_summaries() -> bool:
+    """Whether a summary written now at the current step would be recorded."""
+    current = getattr(_LOCAL, "current", None)
+    return _should_record(current[1] if current is not None else None)
+
+
+def _should_record(step: int | None) -> bool:
+    condition = getattr(_LOCAL, "condition", None)
+    return True if condition is None else bool(condition(step))
+
+
+def all_summary_ops() -> list:
+    """TF's list of summary ops to run; summaries here are written as they are called: []."""
+    return []
+
+
+def close_file_writers() -> None:
+    """Closes every writer ``create_file_writer`` opened (their events are then on disk)."""
+    with _LOCK:
+        opened = sorted(_OPENED)
+        _OPENED.clear()
+    for logdir in opened:
+        close(logdir)
 
 
 class TrainSummaries:

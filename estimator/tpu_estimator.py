@@ -54,7 +54,8 @@ class TPUEstimator:
         ``TPUEstimatorSpec``; it builds the model for one replica.
       model_dir: checkpoints and summaries; must equal ``config.model_dir`` when both are set.
       config: a ``RunConfig``.
-      params: hyperparameters, deep-copied; ``batch_size`` and ``context`` are reserved.
+      params: hyperparameters, deep-copied; ``batch_size`` and ``context`` are reserved, and
+        model_fn also finds ``use_tpu`` there (as in TF).
       use_tpu: ``True`` replicates over every device; ``False`` runs one device on the global
         batch (same code path).
       train_batch_size, eval_batch_size, predict_batch_size: global batch sizes.
@@ -93,6 +94,7 @@ class TPUEstimator:
         self._replicas = num_replicas(self._mesh)
         self._model.num_replicas = self._replicas
         self._model.num_cores_per_replica = self._mesh.shape["model"]
+        self._model.use_tpu = self._use_tpu
         if self._use_tpu and tpu.num_shards is not None and tpu.num_shards != self._replicas:
             raise ValueError(
                 f"TPUConfig.num_shards={tpu.num_shards} does not match the {self._replicas} "
@@ -272,6 +274,12 @@ class TPUEstimator:
             fold_variables=fold_variables,
             platforms=platforms,
         )
+
+    def export_savedmodel(
+        self, export_dir_base: str, serving_input_receiver_fn: Callable, *args: Any, **kwargs: Any
+    ) -> str:
+        """TF's deprecated spelling of ``export_saved_model`` (ResNet's reference uses it)."""
+        return self.export_saved_model(export_dir_base, serving_input_receiver_fn, *args, **kwargs)
 
     # ----------------------------------------------------------------- checkpoints
     def latest_checkpoint(self) -> str | None:

@@ -147,6 +147,9 @@ class TPUClusterResolver:
       shutdown_timeout: seconds a finishing process waits for the others at exit (default
         60).
       env_var: the TF_CONFIG-style variable to read.
+      zone, project, job_name, coordinator_name, credentials, service, discovery_url: TF's
+        Cloud TPU API arguments, keyword-only; accepted so ported programs run unchanged, and
+        ignored with one warning naming those given.
 
     Each timeout can also be set by an environment variable (``TPU_ESTIMATOR_INIT_TIMEOUT``,
     ``TPU_ESTIMATOR_HEARTBEAT_TIMEOUT``, ``TPU_ESTIMATOR_SHUTDOWN_TIMEOUT``) when the
@@ -174,7 +177,30 @@ class TPUClusterResolver:
         heartbeat_timeout: int | None = None,
         shutdown_timeout: int | None = None,
         env_var: str = TF_CONFIG,
+        zone: str | None = None,
+        project: str | None = None,
+        job_name: str | None = None,
+        coordinator_name: str | None = None,
+        credentials: Any = None,
+        service: Any = None,
+        discovery_url: str | None = None,
     ):
+        tf_only = {
+            "zone": zone,
+            "project": project,
+            "job_name": job_name,
+            "coordinator_name": coordinator_name,
+            "credentials": credentials,
+            "service": service,
+            "discovery_url": discovery_url,
+        }
+        ignored = [name for name, value in tf_only.items() if value is not None]
+        if ignored:
+            log.warning(
+                "TPUClusterResolver: %s ignored (Cloud TPU API settings; JAX finds the "
+                "devices and processes itself)",
+                ", ".join(ignored),
+            )
         self.tpu = tpu
         self._workers: list[str] | None = None
         self._chief = False

@@ -12,6 +12,7 @@ from jax.sharding import Mesh
 from ..config import RunConfig
 from ..engine.model import user_params
 from ..input_context import InputContext
+from ..tpu_context import input_fn_context
 from .inputs import Pipeline, Prefetcher, call_input_fn, read_chunk
 from .layout import BatchLayout
 from .synced import synced
@@ -41,11 +42,18 @@ class Feeder:
         return self.layouts[mode]
 
     def input_params(self, mode: str) -> dict:
-        """input_fn's ``params``: the user's, plus ``batch_size`` when it is known."""
+        """input_fn's ``params``: the user's, plus ``batch_size`` when it is known and
+        ``context`` (TF's TPUContext: replicas, hosts, ``current_input_fn_deployment()``)."""
         params = user_params(self.params)
-        size = self.layouts[mode].input_batch_size
-        if size is not None:
-            params["batch_size"] = size
+        layout = self.layouts[mode]
+        if layout.input_batch_size is not None:
+            params["batch_size"] = layout.input_batch_size
+        params["context"] = input_fn_context(
+            mode,
+            num_replicas=layout.replicas,
+            local_replicas=layout.local_replicas,
+            cores_per_replica=self.mesh.shape.get("model", 1),
+        )
         return params
 
     def pipeline(self, input_fn: Callable, mode: str, *, pad: bool) -> Pipeline:

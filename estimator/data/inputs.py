@@ -9,6 +9,7 @@ loop while the current one runs; at most ``depth`` loops wait in its queue.
 from __future__ import annotations
 
 import base64
+import collections
 import inspect
 import json
 import logging
@@ -196,7 +197,7 @@ def conform(tree: Any, sig: Signature, *, rows: int, allow_short: bool) -> tuple
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
     if treedef != sig.treedef:
         raise ValueError(f"input batch structure changed: expected {sig.treedef}, got {treedef}")
-    out, n = [], None
+    out = []
     for (path, x), shape, dtype in zip(leaves_with_path, sig.shapes, sig.dtypes):
         name = _name(path)
         x = _canonical(x, name)
@@ -212,20 +213,37 @@ def conform(tree: Any, sig: Signature, *, rows: int, allow_short: bool) -> tuple
                     "would recompile the loop, so cast it in input_fn"
                 )
             x = x.astype(dtype)
-        if n is None:
-            n = x.shape[0]
-        elif x.shape[0] != n:
-            raise ValueError(
-                f"input batch entry {name} has {x.shape[0]} rows but other entries have {n}"
-            )
         out.append(x)
-    n = n or 0
+    n = _batch_rows(out, [_name(p) for p, _ in leaves_with_path], rows)
     if n > rows or (n < rows and not allow_short):
         raise ValueError(
             f"input batch has {n} rows, expected batch size {rows} (entry {sig.paths[0]}, "
             f"shape {out[0].shape if out else ()})"
         )
     return out, n
+
+
+def _batch_rows(leaves: list, names: list[str], rows: int) -> int:
+    """The rows of a batch whose entries all lead with the batch dimension.
+
+    When the leading dimensions disagree, the batch is the one that equals the batch size
+    (or, for a short final batch, the most common one), and the error names every entry that
+    does not lead with it: a transposed features entry (TF's ``transpose_input``) is blamed,
+    not the labels.
+    """
+    leading = [x.shape[0] for x in leaves]
+    if len(set(leading)) <= 1:
+        return leading[0] if leading else 0
+    counts = collections.Counter(leading)
+    batch = rows if rows in counts else max(counts, key=lambda d: (counts[d], d))
+    wrong = [f"{name} (shape {x.shape})" for name, x in zip(names, leaves) if x.shape[0] != batch]
+    raise ValueError(
+        f"input batch entry {', '.join(wrong)} does not lead with the batch dimension: the "
+        f"batch has {batch} rows (batch size {rows}) and every entry must be batch-major, "
+        "shape (batch, ...). Transpose such an entry back in input_fn (e.g. TF's "
+        "transpose_input layout [H, W, C, batch]) and transpose it in model_fn if the model "
+        "wants it"
+    )
 
 
 def _pad(leaves: list, rows: int) -> list:

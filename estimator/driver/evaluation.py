@@ -14,6 +14,7 @@ from ..engine.state import restore_variables
 from ..parallel import multihost
 from ..runtime import seed_key_data
 from ..spec import ModeKeys
+from . import eval_loss
 from .hook_runner import HookRunner, Session
 from .host import HostWorker, MetricAccumulator
 from .job import Job
@@ -30,10 +31,12 @@ def device_loops(
     hooks,
     checkpoint_path,
     to_host=multihost.to_host,
+    pad_probe: list | None = None,
 ) -> Iterator:
     """Yields ``(chunk, outputs, global_step)`` per device loop of EVAL or PREDICT, the
     hooks run around each. ``to_host`` copies the loop's outputs to the host (default: every
-    row, on every process).
+    row, on every process). ``pad_probe`` (a list) receives ``probe(chunk) -> outputs`` of
+    the same loop on an all-padding chunk shaped like ``chunk``.
     """
     pipe = job.feeder.pipeline(input_fn, mode, pad=True)
     ipl = job.config.tpu_config.iterations_per_loop
@@ -72,6 +75,10 @@ def device_loops(
         runner.after_create_session()
         rng = jax.device_put(seed_key_data(job.config.tf_random_seed))
         step_arr = np.int32(global_step)
+        if pad_probe is not None:
+            pad_probe.append(
+                lambda c: to_host(loop(variables, step_arr, rng, *eval_loss.all_padding(c)))
+            )
         done = 0
         while chunk is not None:
             counters = np.arange(done + 1, done + chunk.steps + 1)
@@ -108,13 +115,26 @@ def run_eval_loops(job: Job, input_fn, *, steps, hooks, checkpoint_path, name) -
     worker = HostWorker("eval-metrics")
     acc = MetricAccumulator()
     loss_sum, count, global_step = 0.0, 0, 0
+    probe, pad_losses = [], None
     try:
         for chunk, (losses, tensors), global_step in device_loops(  # noqa: B007 (read after)
-            job, input_fn, mode, steps=steps, hooks=hooks, checkpoint_path=checkpoint_path
+            job,
+            input_fn,
+            mode,
+            steps=steps,
+            hooks=hooks,
+            checkpoint_path=checkpoint_path,
+            pad_probe=probe,
         ):
             mask = layout.count_once(chunk.host_mask)
-            per_replica = mask.reshape(mask.shape[0], job.num_replicas, -1).sum(-1)
-            loss_sum += float(np.where(per_replica > 0, losses * per_replica, 0.0).sum())
+            masked = bool(job.model.noted(mode, "padding_mask", False))
+            if pad_losses is None and eval_loss.needs_pad_losses(
+                mask, job.num_replicas, masked=masked
+            ):  # a plain mean() over a partly padded batch: once, the padding rows' loss
+                pad_losses = probe[0](chunk)[0][0]
+            loss_sum += eval_loss.real_loss_sum(
+                losses, mask, job.num_replicas, None if masked else pad_losses
+            )
             count += int(mask.sum())
             metric_fn = job.programs.spec(mode).eval_metrics
             if metric_fn is not None and multihost.is_process_0():  # once per eval batch

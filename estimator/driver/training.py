@@ -26,7 +26,7 @@ from ..io.checkpoint import Checkpoints, checked_input_pulls
 from ..io.lock import TrainerLock
 from ..io.store import LastState, StateStore
 from ..parallel import multihost
-from ..scaffold import fresh_init_fn
+from ..scaffold import IN_MODEL_FN, fresh_init_fn
 from ..spec import ModeKeys
 from . import nonfinite, preemption, progress
 from .hook_runner import HookRunner, Session
@@ -228,7 +228,11 @@ def _start(job: Job, input_fn, latest, target_fn, warm_start_from) -> _Started |
     if restored is None:
 
         def init_fn():  # after model_fn was traced: its scaffold_fn is known
-            return fresh_init_fn(job.programs.spec(ModeKeys.TRAIN), warm_start_from)
+            return fresh_init_fn(
+                job.programs.spec(ModeKeys.TRAIN),
+                warm_start_from,
+                in_model_fn=job.model.noted(ModeKeys.TRAIN, IN_MODEL_FN, ()),
+            )
 
         state = fresh_train_state(job.programs, first, model_batch, init_fn)
         return _Started(_Run(state, _Position()), first, prefetch, model_batch)
@@ -496,6 +500,7 @@ def _train(job: Job, started: _Started, user_hooks, saving_listeners) -> TrainOu
         _wait_committed(ckpts)
         # Closing (not flush) waits for tensorboardX's queue: summaries are on disk on return.
         summary.close(job.model_dir)
+        summary.close_file_writers()  # those host_call opened with create_file_writer
     return TrainOutcome(step, stopped_by_hook=stopped, input_ended=input_ended)
 
 

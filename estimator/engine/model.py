@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +19,7 @@ from .. import context
 from ..parallel.mesh import DATA
 from ..parallel.replica_context import replica_scope
 from ..spec import ModeKeys, TPUEstimatorSpec, as_tpu_spec
+from ..tpu_context import TPUContext
 
 _MODEL_FN_ARGS = ("features", "labels", "mode", "params", "config")
 RESERVED_PARAMS = ("batch_size", "context")
@@ -75,16 +75,6 @@ def user_params(params: Any) -> dict:
     return copy.deepcopy(params)
 
 
-@dataclasses.dataclass(frozen=True)
-class TPUContext:
-    """``params["context"]`` inside model_fn: where this replica runs (TF's TPUContext)."""
-
-    mode: str
-    num_replicas: int
-    num_hosts: int
-    num_cores_per_replica: int
-
-
 class _Root(nn.Module):
     """Calls model_fn inside a compact scope so the modules it makes become our children."""
 
@@ -116,6 +106,12 @@ class ModelFn:
         self.config = config
         self.num_replicas = 1  # set by the estimator from its mesh
         self.num_cores_per_replica = 1
+        self.use_tpu = True  # params["use_tpu"], set by the estimator
+        self.notes: dict[str, dict] = {}  # mode -> the notes of model_fn's last trace
+
+    def noted(self, mode: str, key: str, default: Any = None) -> Any:
+        """What model_fn's last trace in ``mode`` noted under ``key`` (see CallContext)."""
+        return self.notes.get(mode, {}).get(key, default)
 
     def check_labels(self, has_labels: bool) -> None:
         if has_labels and "labels" not in self.arg_names:
@@ -127,14 +123,17 @@ class ModelFn:
     def _scope(self, mode: str, mask, step, *, initializing: bool = False):
         """model_fn runs as one replica over the mesh's ``"data"`` axis: its padding mask and
         step are current, and ``get_replica_context()`` gives the cross-replica helpers."""
-        with context.calling_model_fn(context.CallContext(mode, mask, step, initializing)):
+        ctx = context.CallContext(mode, mask, step, initializing)
+        with context.calling_model_fn(ctx):
             with replica_scope(self.num_replicas, axis_name=DATA):
                 yield
+        self.notes[mode] = ctx.notes
 
     def _root(self, mode: str, batch_size: int | None) -> _Root:
         params = copy.deepcopy(self.params)
         if batch_size is not None:
             params["batch_size"] = batch_size
+        params["use_tpu"] = self.use_tpu  # as TF sets it (a user value is replaced)
         params["context"] = TPUContext(
             mode=mode,
             num_replicas=self.num_replicas,

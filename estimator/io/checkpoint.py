@@ -1,9 +1,10 @@
 """Checkpoints with Orbax: atomic, asynchronous, and never a broken one loaded.
 
-Layout: ``<model_dir>/checkpoints/<step>/`` with three items: ``variables`` (params and every
-other collection), ``train`` (optimizer state, RNG, counters) and ``meta`` (JSON: global step,
-input position). Orbax writes ``<step>.orbax-checkpoint-tmp`` and renames it when complete,
-so a reader (another process evaluating, say) never sees a half-written step.
+Layout: ``<model_dir>/model.ckpt-<step>/`` (TF's checkpoint names, see ``step_names``; an
+older ``<model_dir>/checkpoints/<step>/`` still reads) with three items: ``variables`` (params
+and every other collection), ``train`` (optimizer state, RNG, counters) and ``meta`` (JSON:
+global step, input position). Orbax writes ``<name>.orbax-checkpoint-tmp`` and renames it
+when complete, so a reader (another process evaluating, say) never sees a half-written step.
 
 A step that is present but damaged (a truncated or missing file, a missing item, garbage in
 ``_CHECKPOINT_METADATA``, ``_METADATA``, the OCDBT manifest or ``meta``) is never loaded: the
@@ -43,6 +44,7 @@ from ..errors import (
     EstimatorValueError,
     NoCheckpointError,
 )
+from . import step_names
 from . import variables as variables_lib
 
 log = logging.getLogger("estimator")
@@ -57,7 +59,9 @@ _GLOB_CHARACTERS = "*?[]\\"
 
 
 def checkpoint_dir(model_dir: str) -> str:
-    return os.path.join(os.path.abspath(model_dir), "checkpoints")
+    """The directory holding model_dir's step directories (model_dir itself, or the old
+    ``checkpoints/`` folder of a model_dir written before)."""
+    return step_names.layout(model_dir)[0]
 
 
 def check_model_dir(model_dir: str) -> None:
@@ -227,9 +231,10 @@ class Checkpoints:
     def __init__(self, model_dir: str, *, max_to_keep: int | None = 5, read_only: bool = False):
         check_model_dir(model_dir)
         _cpu_array_handler()
-        self.directory = checkpoint_dir(model_dir)
+        self.directory, self._names = step_names.layout(model_dir)
         self.read_only = read_only
         options = ocp.CheckpointManagerOptions(
+            step_name_format=self._names,
             # A reader saves and deletes nothing; saying so keeps Orbax from warning that it
             # changed these two for us.
             max_to_keep=None if read_only else max_to_keep,
@@ -265,7 +270,8 @@ class Checkpoints:
         return sorted(self._manager.all_steps())
 
     def path(self, step: int) -> str:
-        return os.path.join(self.directory, str(step))
+        """The step's directory: ``<model_dir>/model.ckpt-<step>`` (TF's name)."""
+        return os.path.join(self.directory, self._names.build_name(step))
 
     def save(self, step: int, variables: dict, train: dict, meta: dict) -> bool:
         """Starts an asynchronous save (arrays are copied off the devices before it returns).
@@ -589,23 +595,24 @@ class Checkpoints:
 
 
 def resolve_path(checkpoint_path: str | None, model_dir: str) -> tuple[str, int | None]:
-    """``(model_dir, step)`` for a checkpoint path: a step directory, a checkpoints
-    directory or a model_dir (meaning its latest). None means this estimator's latest."""
+    """``(model_dir, step)`` for a checkpoint path: a step directory (``model.ckpt-<step>``,
+    or an old ``checkpoints/<step>``), an old checkpoints directory, or a model_dir (meaning
+    its latest). None means this estimator's latest."""
     if checkpoint_path is None:
         return model_dir, None
     path = os.path.abspath(str(checkpoint_path))
-    base = os.path.basename(path)
-    if base.isdigit() and os.path.basename(os.path.dirname(path)) == "checkpoints":
+    parsed = step_names.parse_step_path(path)
+    if parsed is not None:
         if not os.path.isdir(path):
             raise ValueError(f"checkpoint_path {checkpoint_path!r} does not exist")
-        return os.path.dirname(os.path.dirname(path)), int(base)
-    if base == "checkpoints":
+        return parsed
+    if os.path.basename(path) == step_names.LEGACY_DIR:
         return os.path.dirname(path), None
-    if os.path.isdir(os.path.join(path, "checkpoints")):
+    if step_names.has_checkpoints(path) or os.path.isdir(os.path.join(path, step_names.LEGACY_DIR)):
         return path, None
     raise ValueError(
         f"checkpoint_path {checkpoint_path!r} is not a checkpoint: expected "
-        "<model_dir>/checkpoints/<step> or a model_dir"
+        "<model_dir>/model.ckpt-<step> or a model_dir"
     )
 
 

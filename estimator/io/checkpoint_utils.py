@@ -24,7 +24,8 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from .checkpoint import Checkpoints, has_checkpoints, read_variables, resolve_path
+from .checkpoint import Checkpoints, read_variables, resolve_path
+from .step_names import has_checkpoints
 
 log = logging.getLogger("estimator")
 
@@ -123,7 +124,7 @@ def list_variables(ckpt_or_dir: str) -> list[tuple[str, list[int]]]:
     """
     ckpts, step = _resolve(ckpt_or_dir)
     out = [("global_step", [])]
-    for name, shape in ckpts.saved_shapes(step, "variables").items():
+    for name, shape in ckpts._saved_shapes(step, "variables").items():
         if name.startswith("params/"):
             name = name[len("params/") :]
         out.append((name, [int(d) for d in shape]))

@@ -21,16 +21,19 @@ Result shapes. The device program must know the shape of what the host returns:
   returned and the computation is never called at trace time.
 * Without it, the shape is **inferred by calling the computation once at trace time on zero
   arrays** of the arguments' per-replica shapes and dtypes (a "dry run"; its result is thrown
-  away). A computation with side effects, or one that fails on zeros, should declare
+  away). The result is remembered per function (code, closure, non-array arguments) and
+  argument shapes, so later traces (the eval loop after init, a second program) call it
+  no more. A computation with side effects, or one that fails on zeros, should declare
   ``result_shape``; when the dry run raises, a ValueError says so.
 
 Threads and calls. XLA calls the host function from several threads (one per device);
 calls are **serialised** here with one lock, so the function need not be thread-safe, but
 the order across replicas is arbitrary (per replica, steps come in order); it must not wait
 on a device computation (XLA is waiting for it). Each call sees
-this replica's arrays, as numpy. A host function runs once per replica per step of a
-compiled loop, and not at all while the estimator initialises variables (there the result
-is zeros). Errors raised by the host function fail the device computation
+this replica's arrays, as numpy. A host function runs once per replica per real step of a
+compiled loop: not while the estimator initialises variables or traces model_fn (the
+result is zeros there; only an undeclared shape's single dry run calls it), and in EVAL and
+PREDICT not on a replica whose rows in that step are all padding (zeros there too). Errors raised by the host function fail the device computation
 (``XlaRuntimeError`` carrying the original message).
 
 Gradients do not flow through a host computation: its result is a constant for ``jax.grad``
@@ -128,6 +131,43 @@ def _name(computation: Callable) -> str:
     return getattr(computation, "__qualname__", None) or repr(computation)
 
 
+_INFERRED: dict = {}  # result shapes found by dry runs: one per function and argument shapes
+
+
+def _shape_key(computation: Callable, leaves: list, is_array: list, arrays: list) -> Any:
+    """What the dry run's result shape depends on: the function (its code, what it closes
+    over, its ``self``), the non-array arguments and the arrays' shapes and dtypes. None when
+    something is unhashable (then every trace runs its own dry run)."""
+
+    def ident(x: Any) -> Any:
+        try:
+            hash(x)
+        except TypeError:
+            return ("id", id(x))
+        return x
+
+    code = getattr(computation, "__code__", None)
+    if code is None:
+        fn = ident(computation)
+    else:
+        cells = getattr(computation, "__closure__", None) or ()
+        closure = []
+        for cell in cells:
+            try:
+                closure.append(ident(cell.cell_contents))
+            except ValueError:  # an empty cell
+                closure.append(None)
+        fn = (code, tuple(closure), id(getattr(computation, "__self__", None)))
+    static = tuple(ident(x) for x, a in zip(leaves, is_array, strict=True) if not a)
+    shapes = tuple((tuple(a.shape), str(a.dtype)) for a in arrays)
+    key = (fn, static, shapes)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 def _dry_run(computation: Callable, rebuild: Callable, arrays: list) -> PyTree:
     zeros = [np.zeros(a.shape, jax.dtypes.canonicalize_dtype(a.dtype)) for a in arrays]
     args, kwargs = rebuild(zeros)
@@ -174,7 +214,11 @@ def _to_host(expected: PyTree, name: str) -> Callable[[Any], list]:
 
 
 def _host_call(computation: Callable, rebuild: Callable, arrays: list, expected: PyTree) -> PyTree:
-    """The io_callback itself, typed per replica and transparent (zero) to gradients."""
+    """The io_callback itself, typed per replica and transparent (zero) to gradients.
+
+    In EVAL and PREDICT a replica whose rows in this step are all padding skips the call
+    (its result is zeros): the host function runs only on real steps.
+    """
     name = _name(computation)
     convert = _to_host(expected, name) if expected is not None else None
     specs = None if expected is None else jax.tree.leaves(expected)
@@ -185,9 +229,16 @@ def _host_call(computation: Callable, rebuild: Callable, arrays: list, expected:
             out = computation(*args, **kwargs)
         return None if convert is None else convert(out)
 
+    def callback(*values):
+        return io_callback(host, specs, *values, ordered=False)
+
+    real = _has_real_rows()
+
     @jax.custom_jvp
     def call(*values):
-        return _on_first_core(lambda *v: io_callback(host, specs, *v, ordered=False), specs, values)
+        if real is None:
+            return _on_first_core(callback, specs, values)
+        return _on_first_core(lambda r, *v: _when(r, callback, v, specs), specs, (real, *values))
 
     @call.defjvp
     def call_jvp(primals, tangents):
@@ -201,6 +252,25 @@ def _host_call(computation: Callable, rebuild: Callable, arrays: list, expected:
         return None
     out = [_per_replica(o) for o in out]
     return jax.tree.unflatten(jax.tree.structure(expected), out)
+
+
+def _has_real_rows() -> jax.Array | None:
+    """In EVAL/PREDICT inside model_fn: whether this replica's batch has a real row (a
+    traced bool); None where every row is real (training, or outside the estimator)."""
+    ctx = context.current()
+    if ctx is None or ctx.mask is None or ctx.mode == "train" or ctx.initializing:
+        return None
+    return jnp.any(ctx.mask > 0)
+
+
+def _when(real: jax.Array, callback: Callable, values: tuple, specs: list | None) -> Any:
+    """``callback(*values)`` on a replica with real rows; zeros (no call) on padding."""
+    if specs is None:
+        lax.cond(real, lambda: callback(*values), lambda: None)
+        return None
+    zeros = [jnp.zeros(s.shape, s.dtype) for s in specs]
+    outs = lax.cond(real, lambda: list(callback(*values)), lambda: zeros)
+    return outs
 
 
 def _auto_axes() -> tuple[str, ...]:
@@ -311,7 +381,12 @@ def outside_compilation(
         return jax.tree.unflatten(treedef, full)
 
     if result_shape is INFER:
-        expected = _dry_run(computation, rebuild, arrays)
+        key = _shape_key(computation, leaves, is_array, arrays)
+        if key is None or key not in _INFERRED:
+            expected = _dry_run(computation, rebuild, arrays)
+            if key is not None:
+                _INFERRED[key] = expected
+        expected = _INFERRED[key] if key is not None else expected
     elif result_shape is None:
         expected = None
     else:

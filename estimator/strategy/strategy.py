@@ -64,6 +64,7 @@ from ..parallel import partitioning
 from ..parallel.mesh import DATA
 from ..parallel.replica_context import ReduceOp, get_replica_context, replica_scope
 from .device_assignment import DeviceAssignment
+from .numpy_dataset import NumpyDataset
 from .per_replica import PerReplica, _is_concrete, _is_per_replica
 
 PyTree = Any
@@ -408,6 +409,22 @@ class TPUStrategy:
         dataset = dataset_fn(ctx)
         local = len(self._assignment.lookup_replicas())
         return DistributedDataset(lambda: self._per_replica_steps(iter(dataset), local))
+
+    def experimental_distribute_datasets_from_function(
+        self, dataset_fn: Callable[[InputContext], Iterable[Any]], options: Any = None
+    ):
+        """TF 2.3's name of ``distribute_datasets_from_function`` (the same method)."""
+        return self.distribute_datasets_from_function(dataset_fn, options)
+
+    def experimental_make_numpy_dataset(self, numpy_input: Any, session: Any = None):
+        """A dataset of the examples of ``numpy_input`` (a pytree of arrays sliced along
+        axis 0), as TF's ``from_tensor_slices`` on the host; ``session`` is ignored.
+
+        Batch it with ``.batch(global_batch_size)`` and distribute it with
+        ``experimental_distribute_dataset``.
+        """
+        del session
+        return NumpyDataset.from_tensor_slices(numpy_input)
 
     def experimental_distribute_values_from_function(
         self, value_fn: Callable[[ValueContext], Any]

@@ -379,7 +379,7 @@ def test_weight_decay_mask_by_tf_variable_name():
     flat_mask = estimator.named_variables(mask)
     assert "bert/encoder/layer_0/attention/self/query/kernel" in names
     assert flat_mask == {n: bert_do_use_weight_decay(n) for n in names}
-    tx = optax.adamw(0.0, weight_decay=0.5, mask=estimator.name_mask(exclude=exclude))
+    tx = optax.adamw(1.0, weight_decay=0.5, mask=estimator.name_mask(exclude=exclude))
     zeros = jax.tree.map(jnp.zeros_like, params)
     updates, _ = tx.update(zeros, tx.init(params), params)
     changed = {n: bool(np.any(u != 0)) for n, u in estimator.named_variables(updates).items()}
@@ -413,13 +413,13 @@ def test_tf_run_config_and_resolver_arguments_are_accepted(caplog):
 
 
 def test_predict_output_in_export_outputs_and_export_savedmodel(run, tmp_path):
+    x, _ = _data(5, seed=3)
+    expected = [p["probabilities"] for p in run.predict(lambda params: iter([x]))]
     serving = estimator.build_raw_serving_input_receiver_fn(np.zeros((1, 6), np.float32))
     path = run.export_savedmodel(str(tmp_path), serving)  # ResNet's (deprecated) spelling
     served = estimator.load_saved_model(path)
-    x, _ = _data(5, seed=3)
     out = served(x)
     assert set(out) == {"probabilities"}
-    expected = [p["probabilities"] for p in run.predict(lambda params: iter([x]))]
     np.testing.assert_allclose(out["probabilities"], np.stack(expected), rtol=1e-5, atol=1e-6)
     cls = estimator.ClassificationOutput(scores=np.zeros((2, 3)), classes=np.zeros((2,)))
     assert sorted(cls.outputs) == ["classes", "scores"]

@@ -1,0 +1,104 @@
+"""Checkpoint step directories named as TF named checkpoints: ``<model_dir>/model.ckpt-<step>``.
+
+TF programs parse the step from a checkpoint path (``int(ckpt.split("-")[-1])``) and pass
+paths like ``model_dir/model.ckpt-1000`` around; each Orbax step directory here carries that
+name, directly in ``model_dir``. A model_dir written before (``<model_dir>/checkpoints/<step>``)
+is still read, and a trainer resuming it keeps writing that layout.
+
+Example:
+  >>> directory, names = layout("/runs/mnist")
+  >>> names.build_name(1000)
+  'model.ckpt-1000'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Iterator
+
+from etils import epath
+from orbax.checkpoint._src.path import step as step_lib
+
+PREFIX = "model.ckpt-"
+LEGACY_DIR = "checkpoints"  # the layout before: <model_dir>/checkpoints/<step>
+_STEP = re.compile(re.escape(PREFIX) + r"(0|[1-9]\d*)")
+
+
+@dataclasses.dataclass(frozen=True)
+class TFStepNames(step_lib.NameFormat):
+    """An Orbax ``NameFormat`` for ``model.ckpt-<step>`` directories (only finished ones)."""
+
+    def __str__(self) -> str:
+        return f"TFStepNames({PREFIX}<step>)"
+
+    def build_name(self, step: int) -> str:
+        return f"{PREFIX}{step}"
+
+    def _metadata(self, path: epath.Path) -> step_lib.Metadata | None:
+        match = _STEP.fullmatch(path.name)
+        if match is None or not path.is_dir() or not step_lib.is_path_finalized(path):
+            return None
+        return step_lib.Metadata(step=int(match.group(1)), path=path)
+
+    def find_all(self, base_path: epath.PathLike) -> Iterator[step_lib.Metadata]:
+        base = epath.Path(base_path)
+        if not base.is_dir():
+            return iter([])
+        paths = [p for p in base.iterdir() if p.name.startswith(PREFIX)]
+        return step_lib.build_step_metadatas(paths, self._metadata)
+
+    def find_step(self, base_path: epath.PathLike, step: int) -> step_lib.Metadata:
+        path = epath.Path(base_path) / self.build_name(step)
+        found = self._metadata(path) if path.exists() else None
+        if found is None:
+            raise ValueError(f"No checkpoint {self.build_name(step)} under {base_path}")
+        return found
+
+
+TF_NAMES = TFStepNames()
+
+
+def _has_new_steps(model_dir: str) -> bool:
+    try:
+        return any(_STEP.fullmatch(n) for n in os.listdir(model_dir))
+    except OSError:
+        return False
+
+
+def _has_legacy_steps(model_dir: str) -> bool:
+    try:
+        return any(n.isdigit() for n in os.listdir(os.path.join(model_dir, LEGACY_DIR)))
+    except OSError:
+        return False
+
+
+def layout(model_dir: str) -> tuple[str, step_lib.NameFormat]:
+    """``(directory, name format)`` of model_dir's checkpoints: ``model_dir`` with
+    ``model.ckpt-<step>`` names, or the old ``model_dir/checkpoints`` with bare step names
+    when only that holds checkpoints."""
+    model_dir = os.path.abspath(model_dir)
+    if _has_legacy_steps(model_dir) and not _has_new_steps(model_dir):
+        return os.path.join(model_dir, LEGACY_DIR), step_lib.standard_name_format()
+    return model_dir, TF_NAMES
+
+
+def has_checkpoints(model_dir: str) -> bool:
+    """Whether model_dir holds checkpoint step directories of either layout (finished or not)."""
+    return _has_new_steps(model_dir) or _has_legacy_steps(model_dir)
+
+
+def parse_step_path(path: str) -> tuple[str, int] | None:
+    """``(model_dir, step)`` of a step directory path of either layout, else None."""
+    path = os.path.abspath(path)
+    base, parent = os.path.basename(path), os.path.dirname(path)
+    match = _STEP.fullmatch(base)
+    if match is not None:
+        return parent, int(match.group(1))
+    if base.isdigit() and os.path.basename(parent) == LEGACY_DIR:
+        return os.path.dirname(parent), int(base)
+    return None
+
+
+__all__ = ["LEGACY_DIR", "PREFIX", "TFStepNames", "has_checkpoints", "layout", "parse_step_path"]
