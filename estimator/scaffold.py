@@ -5,8 +5,8 @@ run never re-initialises. They see and return every collection (``params`` and e
 ``batch_stats``) as numpy, named ``module/.../leaf`` for params and
 ``collection/module/.../leaf`` for other collections. ``warm_start_from`` is applied first,
 then every ``init_from_checkpoint`` called directly inside model_fn (TF's non-TPU idiom, as
-BERT writes it), then the spec's ``Scaffold.init_fn``. Restores log (INFO, logger ``estimator``) which
-variables matched and which kept their initial values.
+BERT writes it), then the spec's ``Scaffold.init_fn``. Restores log (INFO, logger
+``estimator``) which variables matched and which kept their initial values.
 
 Example:
   >>> def scaffold_fn():

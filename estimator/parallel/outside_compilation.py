@@ -33,7 +33,8 @@ on a device computation (XLA is waiting for it). Each call sees
 this replica's arrays, as numpy. A host function runs once per replica per real step of a
 compiled loop: not while the estimator initialises variables or traces model_fn (the
 result is zeros there; only an undeclared shape's single dry run calls it), and in EVAL and
-PREDICT not on a replica whose rows in that step are all padding (zeros there too). Errors raised by the host function fail the device computation
+PREDICT not on a replica whose rows in that step are all padding (zeros there too). Errors
+raised by the host function fail the device computation
 (``XlaRuntimeError`` carrying the original message).
 
 Gradients do not flow through a host computation: its result is a constant for ``jax.grad``
