@@ -125,8 +125,6 @@ def list_variables(ckpt_or_dir: str) -> list[tuple[str, list[int]]]:
     ckpts, step = _resolve(ckpt_or_dir)
     out = [("global_step", [])]
     for name, shape in ckpts._saved_shapes(step, "variables").items():
-        if name.startswith("params/"):
-            name = name[len("params/") :]
         out.append((name, [int(d) for d in shape]))
     return sorted(out)
 

@@ -13,7 +13,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -71,3 +72,84 @@ def unflatten_into(variables: Mapping[str, Any], values: Mapping[str, Any]) -> d
         return jax.tree_util.tree_map_with_path(one, tree)
 
     return {c: replace(c, t) for c, t in variables.items()}
+
+
+# --------------------------------------------------------------------------- masks by name
+# TF programs pick variables by name: BERT excludes "LayerNorm" and "bias" from weight decay
+# (re.search over each name), fine-tuning scripts freeze "bert/embeddings/". These build the
+# same selections over a params pytree, named as above (a TF ":0" suffix in a pattern is
+# ignored):
+#     decay = estimator.name_mask(exclude=["LayerNorm", "layer_norm", "bias"])
+#     tx = optax.adamw(lr, weight_decay=0.01, mask=decay)
+#     frozen = estimator.name_mask([r"^bert/embeddings/"])
+#     tx = optax.chain(optax.masked(optax.set_to_zero(), frozen), tx)
+
+
+def named_variables(tree: Any) -> dict[str, Any]:
+    """A ``{name: leaf}`` view of one pytree, e.g. params (TF's ``{v.name: v}`` over
+    ``tf.trainable_variables()``).
+
+    Example:
+      >>> sorted(named_variables({"dense": {"kernel": w, "bias": b}}))
+      ['dense/bias', 'dense/kernel']
+    """
+    return {path_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _patterns(patterns: str | Iterable[str] | None, what: str) -> list[re.Pattern]:
+    if patterns is None:
+        return []
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    out = []
+    for p in patterns:
+        if not isinstance(p, str):
+            raise TypeError(f"name_mask {what} patterns must be str, got {p!r}")
+        out.append(re.compile(re.sub(r":\d+$", "", p)))
+    return out
+
+
+def name_matcher(
+    include: str | Iterable[str] | None = None, *, exclude: str | Iterable[str] | None = None
+) -> Callable[[str], bool]:
+    """``name -> bool``: matches some ``include`` pattern (every name when None) and no
+    ``exclude`` pattern; patterns are regular expressions searched anywhere in the name."""
+    inc, exc = _patterns(include, "include"), _patterns(exclude, "exclude")
+    if include is not None and not inc:
+        raise ValueError("name_mask include patterns are empty; pass None to include every name")
+
+    def matches(name: str) -> bool:
+        if inc and not any(r.search(name) for r in inc):
+            return False
+        return not any(r.search(name) for r in exc)
+
+    return matches
+
+
+def name_mask(
+    include: str | Iterable[str] | None = None, *, exclude: str | Iterable[str] | None = None
+) -> Callable[[Any], Any]:
+    """An optax mask function selecting parameters by TF-style name.
+
+    Args:
+      include: regular expression(s) ``re.search``-ed in each name
+        (``bert/encoder/layer_0/attention/self/query/kernel``); ``None`` selects every
+        parameter.
+      exclude: keyword-only; regular expression(s) that deselect a name (BERT's
+        ``exclude_from_weight_decay``).
+
+    Returns:
+      ``mask_fn(params) -> pytree of bool`` (the structure of ``params``), as optax's
+      ``mask=`` arguments (``optax.masked``, ``optax.adamw``, ``add_decayed_weights``) take.
+
+    Example:
+      >>> mask_fn = name_mask(exclude=["LayerNorm", "bias"])
+      >>> mask_fn({"dense": {"kernel": w, "bias": b}})
+      {'dense': {'bias': False, 'kernel': True}}
+    """
+    matches = name_matcher(include, exclude=exclude)
+
+    def mask_fn(params: Any) -> Any:
+        return jax.tree_util.tree_map_with_path(lambda p, _: matches(path_name(p)), params)
+
+    return mask_fn
