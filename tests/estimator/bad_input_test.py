@@ -342,10 +342,10 @@ CASES = [
     (
         "checkpoint_path step that does not exist",
         lambda c: _est(c.trained).evaluate(
-            _batches(GOOD), checkpoint_path=str(c.trained / "checkpoints" / "99")
+            _batches(GOOD), checkpoint_path=str(c.trained / "model.ckpt-99")
         ),
         ValueError,
-        "checkpoints/99' does not exist",
+        "model.ckpt-99' does not exist",
     ),
     (
         "checkpoint_path that is not a checkpoint",
@@ -427,17 +427,17 @@ def test_unrelated_checkpoint_in_model_dir_names_the_mismatch(ctx, call, make, m
             est.evaluate(_batches(GOOD))
         else:
             list(est.predict(_batches(FEATURES_ONLY)))
-    assert "checkpoints/2 does not match the model" in str(info.value)
+    assert "model.ckpt-2 does not match the model" in str(info.value)
     assert isinstance(info.value, ValueError)  # also catchable as a ValueError
     assert _snapshot(ctx.trained) == before  # no fallback, no fresh start, nothing written
 
 
 def test_explicit_checkpoint_path_to_a_damaged_step_is_an_error_not_a_fallback(ctx):
-    manifest = ctx.trained / "checkpoints" / "2" / "variables" / "manifest.ocdbt"
+    manifest = ctx.trained / "model.ckpt-2" / "variables" / "manifest.ocdbt"
     manifest.write_bytes(b"garbage")
-    with pytest.raises(CheckpointError, match="checkpoints/2"):
+    with pytest.raises(CheckpointError, match="model.ckpt-2"):
         _est(ctx.trained).evaluate(
-            _batches(GOOD), checkpoint_path=str(ctx.trained / "checkpoints" / "2")
+            _batches(GOOD), checkpoint_path=str(ctx.trained / "model.ckpt-2")
         )
 
 

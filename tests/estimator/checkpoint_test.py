@@ -45,7 +45,7 @@ def trained(tmp_path_factory):
     base = tmp_path_factory.mktemp("base")
     _est(base).train(h.train_input_fn(x, y), max_steps=6)
     at4 = _est(base).evaluate(
-        h.eval_input_fn(x, y), checkpoint_path=str(base / "checkpoints" / "4")
+        h.eval_input_fn(x, y), checkpoint_path=str(base / "model.ckpt-4")
     )
     ref = tmp_path_factory.mktemp("reference")
     reference = _est(ref)
@@ -65,6 +65,14 @@ def _snapshot(root: Path) -> dict[str, str]:
     for path in sorted(root.rglob("*")):
         if path.is_file():
             out[str(path.relative_to(root))] = hashlib.sha1(path.read_bytes()).hexdigest()
+    return out
+
+
+def _checkpoints_snapshot(model_dir: Path) -> dict[str, str]:
+    """``_snapshot`` of every checkpoint step directory (and moved-aside or unfinished one)."""
+    out = {}
+    for step_dir in sorted(model_dir.glob("model.ckpt-*")):
+        out.update({f"{step_dir.name}/{k}": v for k, v in _snapshot(step_dir).items()})
     return out
 
 
@@ -131,14 +139,14 @@ DAMAGE = {
 @pytest.mark.parametrize("damage", list(DAMAGE), ids=list(DAMAGE))
 def test_evaluate_skips_a_damaged_checkpoint(trained, tmp_path, caplog, damage):
     model_dir = _copy(trained, tmp_path)
-    DAMAGE[damage](model_dir / "checkpoints" / "6")
-    before = _snapshot(model_dir / "checkpoints")
+    DAMAGE[damage](model_dir / "model.ckpt-6")
+    before = _checkpoints_snapshot(model_dir)
     x, y = trained["data"]
     with caplog.at_level(logging.WARNING, logger="estimator"):
         results = _est(model_dir).evaluate(h.eval_input_fn(x, y))
     assert results == trained["eval_at_4"]
     assert any("step 6" in r.getMessage() for r in caplog.records), caplog.text
-    assert _snapshot(model_dir / "checkpoints") == before  # a reader changes nothing
+    assert _checkpoints_snapshot(model_dir) == before  # a reader changes nothing
 
 
 TRAIN_CASES = [
@@ -156,10 +164,10 @@ def _truncated_train_data(step_dir: Path):
 @pytest.mark.parametrize("damage", TRAIN_CASES + ["truncated train data"])
 def test_train_resumes_from_the_previous_good_checkpoint(trained, tmp_path, caplog, damage):
     model_dir = _copy(trained, tmp_path)
-    step6 = model_dir / "checkpoints" / "6"
+    step6 = model_dir / "model.ckpt-6"
     (DAMAGE.get(damage) or _truncated_train_data)(step6)
     damaged = _snapshot(step6)
-    kept = {s: _snapshot(model_dir / "checkpoints" / str(s)) for s in (2, 4)}
+    kept = {s: _snapshot(model_dir / f"model.ckpt-{s}") for s in (2, 4)}
     x, y = trained["data"]
     est = _est(model_dir)
     with caplog.at_level(logging.WARNING, logger="estimator"):
@@ -170,16 +178,16 @@ def test_train_resumes_from_the_previous_good_checkpoint(trained, tmp_path, capl
     # Resumed from step 4 with the input repositioned: exactly the uninterrupted run.
     h.assert_params_close(h.params_of(est), trained["params_at_8"], rtol=0, atol=0)
     # Nothing saved was deleted: the damaged step was moved aside byte for byte.
-    assert _snapshot(model_dir / "checkpoints" / "6.unreadable") == damaged
+    assert _snapshot(model_dir / "model.ckpt-6.unreadable") == damaged
     for s, snap in kept.items():
-        assert _snapshot(model_dir / "checkpoints" / str(s)) == snap
+        assert _snapshot(model_dir / f"model.ckpt-{s}") == snap
     assert est.get_variable_value("global_step") == 8
 
 
 def test_no_readable_checkpoint_is_an_error_never_a_fresh_start(trained, tmp_path):
     model_dir = _copy(trained, tmp_path)
     for s in STEPS:
-        DAMAGE["garbage OCDBT manifest"](model_dir / "checkpoints" / str(s))
+        DAMAGE["garbage OCDBT manifest"](model_dir / f"model.ckpt-{s}")
     before = _snapshot(model_dir)
     x, y = trained["data"]
     with pytest.raises(ckpt_lib.CheckpointError, match="no readable checkpoint"):
@@ -191,7 +199,7 @@ def test_no_readable_checkpoint_is_an_error_never_a_fresh_start(trained, tmp_pat
 
 def test_get_variable_value_reads_the_newest_readable_checkpoint(trained, tmp_path, caplog):
     model_dir = _copy(trained, tmp_path)
-    DAMAGE["truncated variables data"](model_dir / "checkpoints" / "6")
+    DAMAGE["truncated variables data"](model_dir / "model.ckpt-6")
     with caplog.at_level(logging.WARNING, logger="estimator"):
         assert _est(model_dir).get_variable_value("global_step") == 4
     assert "step 6" in caplog.text
@@ -199,8 +207,8 @@ def test_get_variable_value_reads_the_newest_readable_checkpoint(trained, tmp_pa
 
 def test_reader_ignores_and_keeps_an_unfinished_write(trained, tmp_path):
     model_dir = _copy(trained, tmp_path)
-    unfinished = model_dir / "checkpoints" / "8.orbax-checkpoint-tmp"
-    shutil.copytree(model_dir / "checkpoints" / "6", unfinished)
+    unfinished = model_dir / "model.ckpt-8.orbax-checkpoint-tmp"
+    shutil.copytree(model_dir / "model.ckpt-6", unfinished)
     shutil.rmtree(unfinished / "variables")
     x, y = trained["data"]
     assert _est(model_dir).evaluate(h.eval_input_fn(x, y))["global_step"] == 6
@@ -214,8 +222,8 @@ def test_a_step_removed_while_being_read_is_not_reported_as_damaged(trained, tmp
     real_restore = ckpts.restore
 
     def restore_while_rotated(step, **kw):
-        if step == 6 and (model_dir / "checkpoints" / "6").exists():
-            shutil.rmtree(model_dir / "checkpoints" / "6")  # what keep_checkpoint_max does
+        if step == 6 and (model_dir / "model.ckpt-6").exists():
+            shutil.rmtree(model_dir / "model.ckpt-6")  # what keep_checkpoint_max does
         return real_restore(step, **kw)
 
     ckpts.restore = restore_while_rotated
@@ -228,7 +236,7 @@ def test_a_step_removed_while_being_read_is_not_reported_as_damaged(trained, tmp
 def test_restore_reads_what_was_saved(trained, tmp_path):
     """Raw reads (no template) give the arrays the estimator reports, bit for bit."""
     model_dir = _copy(trained, tmp_path)
-    names = ckpt_lib.read_variables(str(model_dir / "checkpoints" / "4"))
+    names = ckpt_lib.read_variables(str(model_dir / "model.ckpt-4"))
     est = _est(model_dir)
     assert names["global_step"] == 4
     latest = ckpt_lib.read_variables(str(model_dir))

@@ -11,6 +11,7 @@ The random points come from a seed printed on failure (set ``FAULT_SEED`` to rep
 from __future__ import annotations
 
 import os
+import re
 import queue
 import random
 import signal
@@ -79,13 +80,16 @@ class Job:
 
 
 def _steps(model_dir: Path) -> set[str]:
-    d = model_dir / "checkpoints"
-    return {p.name for p in d.iterdir() if p.name.isdigit()} if d.is_dir() else set()
+    """The finished checkpoint steps, as strings (``model.ckpt-<step>`` directories)."""
+    if not model_dir.is_dir():
+        return set()
+    return {m[1] for p in model_dir.iterdir() if (m := re.fullmatch(r"model\.ckpt-(\d+)", p.name))}
 
 
 def _tmp_dirs(model_dir: Path) -> list[str]:
-    d = model_dir / "checkpoints"
-    return [p.name for p in d.iterdir() if "orbax-checkpoint-tmp" in p.name] if d.is_dir() else []
+    if not model_dir.is_dir():
+        return []
+    return [p.name for p in model_dir.iterdir() if "orbax-checkpoint-tmp" in p.name]
 
 
 def _loop_step(line: str) -> int | None:
@@ -124,7 +128,7 @@ def _run_for(job: Job, seconds: float) -> bool:
 
 def _read_step(model_dir: Path, step: int) -> dict:
     """Every array of a checkpoint, read back with Orbax directly (not through the estimator)."""
-    path = model_dir / "checkpoints" / str(step)
+    path = model_dir / f"model.ckpt-{step}"
     ckptr = ocp.PyTreeCheckpointer()
     out = {}
     for item in ("variables", "train"):

@@ -158,7 +158,7 @@ def test_checkpoint_saver_hook_with_listener(tmp_path):
         h.train_input_fn(x, y), max_steps=8, hooks=[hook]
     )
     assert saved[:2] == [4, 8]
-    steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    steps = sorted(int(p.name.split("-")[-1]) for p in tmp_path.glob("model.ckpt-*"))
     assert {4, 8} <= set(steps)
 
 

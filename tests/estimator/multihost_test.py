@@ -291,7 +291,7 @@ def two_process_runs(tmp_path_factory):
     )
     try:
         _wait_for(
-            lambda: os.path.isdir(os.path.join(model_dir, "checkpoints", "9")),
+            lambda: os.path.isdir(os.path.join(model_dir, "model.ckpt-9")),
             first,
             RUN_TIMEOUT,
             "the step-9 checkpoint of the first run",
@@ -342,7 +342,7 @@ def test_killed_process_makes_the_other_fail_within_the_timeout(two_process_runs
 def test_restarting_both_processes_resumes_from_the_checkpoint(two_process_runs):
     for result, log in zip(two_process_runs["results"], two_process_runs["logs"], strict=True):
         assert (result["start_step"], result["final_step"]) == (9, job.MAX_STEPS)
-        assert "Restored checkpoint" in log and "checkpoints/9" in log
+        assert "Restored checkpoint" in log and "model.ckpt-9" in log
         assert (result["process_count"], result["local_devices"], result["replicas"]) == (2, 4, 8)
 
 

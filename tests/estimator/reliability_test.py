@@ -44,8 +44,7 @@ def _est(model_dir, *, ipl=2, batch=16, **cfg) -> estimator.TPUEstimator:
 
 
 def _saved_steps(model_dir) -> list[int]:
-    d = Path(model_dir) / "checkpoints"
-    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit())
+    return sorted(int(p.name.split("-")[-1]) for p in Path(model_dir).glob("model.ckpt-*[0-9]"))
 
 
 # ----------------------------------------------------------------------------- SIGTERM
@@ -75,7 +74,7 @@ def test_sigterm_checkpoints_at_the_loop_boundary_and_exits(tmp_path):
     with pytest.raises(Preempted) as info:
         est.train(h.train_input_fn(x, y), max_steps=10, hooks=[hook])
     assert isinstance(info.value, SystemExit) and info.value.code == EXIT_STATUS == 143
-    assert info.value.global_step == 6 and info.value.checkpoint.endswith("checkpoints/6")
+    assert info.value.global_step == 6 and info.value.checkpoint.endswith("model.ckpt-6")
     assert hook.loops == [2, 4, 6] and hook.ended  # stopped at the next boundary, hooks ended
     assert _saved_steps(tmp_path / "run") == [6]  # saved although the cadence was not due
     assert signal.getsignal(signal.SIGTERM) is previous  # the handler is removed again
@@ -118,9 +117,9 @@ def test_sigterm_to_a_training_process_saves_and_exits_143(tmp_path, cache):
     assert proc.wait(timeout=60) == 143, lines[-10:]
     last_loop = max(int(s.split()[1]) for s in lines if s.startswith("LOOP "))
     assert 6 <= last_loop < 400
-    assert f"Saving checkpoints for {last_loop} into {model_dir}/checkpoints/{last_loop}." in lines
+    assert f"Saving checkpoints for {last_loop} into {model_dir}/model.ckpt-{last_loop}." in lines
     assert _saved_steps(model_dir) == [last_loop]  # complete on disk before the exit
-    assert not [p for p in (model_dir / "checkpoints").iterdir() if "tmp" in p.name]
+    assert not [p for p in model_dir.iterdir() if "tmp" in p.name]
 
 
 # ----------------------------------------------------------------------------- NaN / Inf
@@ -252,7 +251,7 @@ def test_get_state_set_state_positions_the_input(tmp_path):
     ahead = _WaitForReadAhead(loaders, step=4)
     first.train(input_fn, max_steps=8, hooks=[ahead])
     assert ahead.position_at_save > 4  # the loader had been read past step 4 when it was saved
-    meta = json.loads((tmp_path / "run/checkpoints/4/meta/metadata").read_text())
+    meta = json.loads((tmp_path / "run/model.ckpt-4/meta/metadata").read_text())
     saved = decode_state(meta["input_state"])
     assert (json.loads(saved) if as_bytes else saved)["position"] == 4  # consumed, not read
 
@@ -303,7 +302,7 @@ def test_evaluation_in_another_process_reads_only_complete_checkpoints(tmp_path,
     seen, deadline = [], time.monotonic() + 90
     with caplog.at_level(logging.WARNING, logger="estimator"):
         while time.monotonic() < deadline:
-            if not (model_dir / "checkpoints").is_dir() or reader.latest_checkpoint() is None:
+            if not model_dir.is_dir() or reader.latest_checkpoint() is None:
                 time.sleep(0.05)
                 continue
             r = reader.evaluate(job._eval_input_fn)
@@ -317,6 +316,6 @@ def test_evaluation_in_another_process_reads_only_complete_checkpoints(tmp_path,
     # Each result is exactly what that checkpoint gives once training is over: it was complete.
     for step, loss in seen:
         again = reader.evaluate(
-            job._eval_input_fn, checkpoint_path=str(model_dir / "checkpoints" / str(step))
+            job._eval_input_fn, checkpoint_path=str(model_dir / f"model.ckpt-{step}")
         )
         assert again["loss"] == loss, step

@@ -170,7 +170,7 @@ def test_warm_start_settings_regex_selects_variables_and_logs_the_rest(tmp_path,
 
 def test_init_from_checkpoint_with_an_assignment_map(tmp_path, source):
     source_dir, expected = source
-    path = str(source_dir / "checkpoints" / "6")
+    path = str(source_dir / "model.ckpt-6")
     seen = []
 
     def scaffold_fn(_spec):

@@ -143,16 +143,16 @@ def test_checkpoints_cadence_and_keep_max(tmp_path):
     x, y = h.make_data()
     est = _est(tmp_path, ipl=2, save_checkpoints_steps=4, keep_checkpoint_max=2)
     est.train(h.train_input_fn(x, y), max_steps=12)
-    steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    steps = sorted(int(p.name.split("-")[-1]) for p in tmp_path.glob("model.ckpt-*"))
     assert steps == [8, 12]
-    assert est.latest_checkpoint().endswith("/12")
+    assert est.latest_checkpoint().endswith("/model.ckpt-12")
 
 
 def test_evaluate_from_checkpoint_path(tmp_path):
     x, y = h.make_data()
     est = _est(tmp_path, ipl=2, save_checkpoints_steps=2, keep_checkpoint_max=None)
     est.train(h.train_input_fn(x, y), max_steps=4)
-    first = est.evaluate(h.eval_input_fn(x, y), checkpoint_path=str(tmp_path / "checkpoints/2"))
+    first = est.evaluate(h.eval_input_fn(x, y), checkpoint_path=str(tmp_path / "model.ckpt-2"))
     assert first["global_step"] == 2
     assert est.evaluate(h.eval_input_fn(x, y))["global_step"] == 4
 
