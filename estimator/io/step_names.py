@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import re
 from collections.abc import Iterator
@@ -77,8 +78,14 @@ def _has_legacy_steps(model_dir: str) -> bool:
 def layout(model_dir: str) -> tuple[str, step_lib.NameFormat]:
     """``(directory, name format)`` of model_dir's checkpoints: ``model_dir`` with
     ``model.ckpt-<step>`` names, or the old ``model_dir/checkpoints`` with bare step names
-    when only that holds checkpoints."""
+    when only that holds checkpoints.
+
+    Raises:
+      NotADirectoryError: model_dir exists and is not a directory.
+    """
     model_dir = os.path.abspath(model_dir)
+    if os.path.exists(model_dir) and not os.path.isdir(model_dir):
+        raise NotADirectoryError(errno.ENOTDIR, "model_dir is not a directory", model_dir)
     if _has_legacy_steps(model_dir) and not _has_new_steps(model_dir):
         return os.path.join(model_dir, LEGACY_DIR), step_lib.standard_name_format()
     return model_dir, TF_NAMES
