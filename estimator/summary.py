@@ -11,8 +11,20 @@ Example:
   ...                                   host_call=(host_fn, [loss[None], lr[None]]))
 
 The step of a host call is the global step *after* that training step (1 for the first
-step), the same step the estimator's own ``loss`` summary uses. Outside a host call, make a
-writer current yourself with ``record(writer_for(logdir), step)``.
+step), the same step the estimator's own ``loss`` summary uses.
+
+TF 1's ``tf.contrib.summary`` idiom works as written (ResNet's host_call):
+
+  >>> def host_call_fn(gs, loss):
+  ...     with summary.create_file_writer(model_dir, max_queue=100).as_default():
+  ...         with summary.always_record_summaries():
+  ...             summary.scalar("loss", loss[0], step=gs[0])
+  ...             return summary.all_summary_ops()
+
+``record_summaries_every_n_global_steps(n)`` and ``never_record_summaries()`` gate what is
+written; writers opened this way are closed (on disk) when ``train`` returns.
+
+Outside a host call, make a writer current yourself with ``record(writer_for(logdir), step)``.
 
 The estimator writes, every ``RunConfig.save_summary_steps`` steps, ``loss`` (that step's
 loss, mean over replicas) and, at the end of each loop that crossed such a step,
