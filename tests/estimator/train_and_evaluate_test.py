@@ -34,8 +34,7 @@ def _event_files(directory: Path) -> list[Path]:
 
 
 def _checkpoint_steps(model_dir: Path) -> list[int]:
-    ckpts = model_dir / "checkpoints"
-    return sorted(int(p.name.split("-")[-1]) for p in ckpts.iterdir() if p.name[-1].isdigit())
+    return sorted(int(p.name.split("-")[-1]) for p in model_dir.glob("model.ckpt-*[0-9]"))
 
 
 def test_default_config_trains_in_one_stream_and_evaluates_at_the_end(tmp_path):
