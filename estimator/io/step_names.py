@@ -27,6 +27,12 @@ LEGACY_DIR = "checkpoints"  # the layout before: <model_dir>/checkpoints/<step>
 _STEP = re.compile(re.escape(PREFIX) + r"(0|[1-9]\d*)")
 
 
+class MissingStepError(FileNotFoundError, ValueError):
+    """A step directory that is not there (or not finished): Orbax's ``find_step`` contract
+    raises ValueError; a FileNotFoundError too, so a step rotated away while a reader lists
+    the steps reads as the file race it is."""
+
+
 @dataclasses.dataclass(frozen=True)
 class TFStepNames(step_lib.NameFormat):
     """An Orbax ``NameFormat`` for ``model.ckpt-<step>`` directories (only finished ones)."""
@@ -54,7 +60,7 @@ class TFStepNames(step_lib.NameFormat):
         path = epath.Path(base_path) / self.build_name(step)
         found = self._metadata(path) if path.exists() else None
         if found is None:
-            raise ValueError(f"No checkpoint {self.build_name(step)} under {base_path}")
+            raise MissingStepError(f"No checkpoint {self.build_name(step)} under {base_path}")
         return found
 
 

@@ -421,10 +421,10 @@ def test_predict_output_in_export_outputs_and_export_savedmodel(run, tmp_path):
     out = served(x)
     assert set(out) == {"probabilities"}
     np.testing.assert_allclose(out["probabilities"], np.stack(expected), rtol=1e-5, atol=1e-6)
-    cls = estimator.ClassificationOutput(scores=np.zeros((2, 3)), classes=np.zeros((2,)))
+    cls = estimator.ClassificationOutput(scores=np.zeros((2, 3)), classes=np.zeros((2,), int))
     assert sorted(cls.outputs) == ["classes", "scores"]
     assert list(estimator.RegressionOutput(np.zeros((2,))).outputs) == ["outputs"]
-    assert list(estimator.PredictOutput(np.zeros((2,))).outputs) == ["outputs"]
+    assert list(estimator.PredictOutput(np.zeros((2,))).outputs) == ["output"]
     with pytest.raises(ValueError, match="scores or classes"):
         estimator.ClassificationOutput()
 
