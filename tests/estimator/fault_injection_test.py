@@ -11,9 +11,9 @@ The random points come from a seed printed on failure (set ``FAULT_SEED`` to rep
 from __future__ import annotations
 
 import os
-import re
 import queue
 import random
+import re
 import signal
 import subprocess
 import sys
