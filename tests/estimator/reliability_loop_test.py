@@ -49,8 +49,7 @@ def _est(model_dir, *, ipl=4, batch=16, model_fn=h.model_fn, params=None, **cfg)
 
 
 def _saved_steps(model_dir) -> list[int]:
-    d = Path(model_dir) / "checkpoints"
-    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
+    return sorted(int(p.name.split("-")[-1]) for p in Path(model_dir).glob("model.ckpt-*[0-9]"))
 
 
 # ----------------------------------------------------------------------------- 1: short batches
