@@ -115,7 +115,7 @@ def test_runnable_blocks_run(page, docs_tmp):
 def test_quick_start_trains_evaluates_and_predicts(docs_tmp):
     ns = _page_namespace("README.md", docs_tmp)
     steps = 500 if AS_WRITTEN else 500 // 25
-    assert os.path.basename(ns["est"].latest_checkpoint()) == str(steps)
+    assert os.path.basename(ns["est"].latest_checkpoint()).split("-")[-1] == str(steps)
     assert len(ns["predictions"]) == len(ns["x"])
 
 
