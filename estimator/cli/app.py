@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 import traceback
@@ -63,6 +64,11 @@ def main(argv: list[str] | None = None, *, out: IO[str] | None = None) -> int:
         return _fail(e, verbose, hint="--verbose shows the traceback")
     except EstimatorError as e:  # raised on purpose: its message says what went wrong
         return _fail(e, verbose, hint="--verbose shows the traceback", status=1)
+    except KeyboardInterrupt as e:  # Ctrl-C: train saved a checkpoint and says so in one line
+        if verbose:
+            traceback.print_exception(e)
+        sys.stderr.write(f"{PROG}: {str(e).strip() or 'interrupted'}\n")
+        return 128 + signal.SIGINT
     if result is not None:
         out.write(json.dumps(_json_ready(result), sort_keys=True, default=str) + "\n")
         out.flush()

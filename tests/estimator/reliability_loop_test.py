@@ -349,3 +349,18 @@ def _ctrl_c(job, tmp_path):
     assert _saved_steps(tmp_path / "interrupt") == [step] and step >= 6
     assert "cannot schedule new futures" not in stderr
     assert stderr.count("Traceback") == 1, stderr  # only the KeyboardInterrupt's own
+
+
+def test_ctrl_c_in_the_cli_is_one_line_and_status_130(tmp_path, monkeypatch, capsys):
+    from estimator.cli import app
+
+    def interrupted(inv, out=None):
+        raise KeyboardInterrupt("interrupted at step 6, checkpoint saved; run again to resume")
+
+    monkeypatch.setattr(app, "run", interrupted)
+    assert app.main(["train", "--model_dir", str(tmp_path)], out=sys.stdout) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        "tpu-estimator: interrupted at step 6, checkpoint saved; run again to resume"
+    ), err
+    assert not any("Traceback" in line for line in err)
