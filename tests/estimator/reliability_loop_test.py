@@ -69,26 +69,26 @@ def _epochs(x, y, b: int, *, epochs: int | None = None, short: bool = True):
 
 
 def test_short_batch_inside_the_stream_is_skipped_and_training_continues(tmp_path, caplog):
-    x, y = h.make_data(n=100)  # batch 16: each epoch is 6 full batches and one of 4 rows
+    x, y = h.make_data(n=36)  # batch 16: each epoch is 2 full batches and one of 4 rows
     with caplog.at_level(logging.WARNING, logger="estimator"):
         est = _est(tmp_path / "short", ipl=5)
-        est.train(_epochs(x, y, 16), max_steps=60)  # 9 short batches before step 60
-    assert est.get_variable_value("global_step") == 60
+        est.train(_epochs(x, y, 16), max_steps=18)  # 8 short batches before step 18
+    assert est.get_variable_value("global_step") == 18
     skipped = [r.getMessage() for r in caplog.records if "short training batch" in r.getMessage()]
     # The first names the step and the rows; then only at 2, 4, 8 skipped: not one per batch.
     assert skipped[0] == (
-        "Skipping a short training batch of 4 rows (batch size 16) before global step 7; "
+        "Skipping a short training batch of 4 rows (batch size 16) before global step 3; "
         "short batches inside the input are skipped, not trained on."
     ), skipped
     assert len(skipped) == 4 and "8 short training batches skipped so far" in skipped[-1]
-    meta = ckpt_lib.Checkpoints(str(tmp_path / "short"), read_only=True).meta(60)
-    assert (meta["input_pulls"], meta["skipped_pulls"]) == (69, 9)
+    meta = ckpt_lib.Checkpoints(str(tmp_path / "short"), read_only=True).meta(18)
+    assert (meta["input_pulls"], meta["skipped_pulls"]) == (26, 8)
     # A new estimator resumes past the skipped batches (the fast-forward counts them) ...
-    _est(tmp_path / "short", ipl=5).train(_epochs(x, y, 16), max_steps=72)
+    _est(tmp_path / "short", ipl=5).train(_epochs(x, y, 16), max_steps=24)
     resumed = _est(tmp_path / "short", ipl=5)
     # ... and matches an independent reference: the stream without its short batches.
     ref = _est(tmp_path / "ref", ipl=5)
-    ref.train(_epochs(x, y, 16, short=False), max_steps=72)
+    ref.train(_epochs(x, y, 16, short=False), max_steps=24)
     h.assert_params_close(h.params_of(resumed), h.params_of(ref), rtol=0, atol=0)
 
 
