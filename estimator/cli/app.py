@@ -14,6 +14,7 @@ message; ``--verbose`` adds the traceback.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -159,9 +160,12 @@ def run(inv: Invocation, *, out: IO[str] | None = None) -> dict[str, Any] | None
     elif inv.command == "predict":
         output = inv.output or os.path.join(model_dir, "predictions.jsonl")
         predictions = est.predict(input_fns["predict"], gather_to_process_0=jax.process_count() > 1)
-        count = write_predictions(predictions, output, out=out or sys.stdout)
-        log.info("Wrote %d predictions to %s", count, "stdout" if output == "-" else output)
-        result = None if output == "-" else {"num_predictions": count, "output": output}
+        if jax.process_index() == 0:  # it gets every example; the other processes run along
+            count = write_predictions(predictions, output, out=out or sys.stdout)
+            log.info("Wrote %d predictions to %s", count, "stdout" if output == "-" else output)
+            result = None if output == "-" else {"num_predictions": count, "output": output}
+        else:
+            collections.deque(predictions, maxlen=0)
     elif inv.command == "export":
         export_dir = inv.export_dir or os.path.join(model_dir, "export")
         result = {"export_dir": jobs.export_from_config(est, config, export_dir)}
@@ -176,12 +180,11 @@ def run(inv: Invocation, *, out: IO[str] | None = None) -> dict[str, Any] | None
                 start_delay_secs=0,
             ),
         )
+    # Every process lists the checkpoints (with many processes Orbax does that together).
+    step = None if inv.command in ("evaluate", "train_and_evaluate") else jobs.global_step(est)
     if result is None or jax.process_index() != 0:
         return None
-    result = dict(result)
-    result.setdefault("global_step", jobs.global_step(est))
-    result["model_dir"] = model_dir
-    return result
+    return {"global_step": step, **result, "model_dir": model_dir}
 
 
 def write_predictions(predictions: Iterable, path: str, *, out: IO[str]) -> int:
