@@ -98,7 +98,7 @@ def build(config: ml_collections.ConfigDict, model_dir: str | None) -> tuple[TPU
 def global_step(est: TPUEstimator) -> int | None:
     """The step of the newest checkpoint in the estimator's model_dir (None: none yet)."""
     path = est.latest_checkpoint()
-    return None if path is None else int(os.path.basename(os.path.normpath(path)))
+    return None if path is None else int(os.path.normpath(path).rsplit("-", 1)[-1])
 
 
 def export_from_config(est, config: Any, export_dir_base: str) -> str:
