@@ -367,12 +367,7 @@ class Pipeline:
             if got is None:
                 break
             leaves, n = got
-            if (
-                n < self.rows_per_pull
-                and not self.pad
-                and not self.positioned
-                and (self.pulled <= self.pulls_per_step)
-            ):
+            if n < self.rows_per_pull and not self.pad and not self.positioned and self.pulled == 1:
                 raise ValueError(
                     f"the first training batch has {n} rows, expected params['batch_size'] = "
                     f"{self.rows_per_pull} (entry {self.sig.paths[0]}); input_fn must batch "

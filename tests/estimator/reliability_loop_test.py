@@ -92,6 +92,25 @@ def test_short_batch_inside_the_stream_is_skipped_and_training_continues(tmp_pat
     h.assert_params_close(h.params_of(resumed), h.params_of(ref), rtol=0, atol=0)
 
 
+def test_short_batches_in_per_host_v2_leave_every_replica_a_full_batch(tmp_path, caplog):
+    """An epoch shorter than a step (8 pulls of 8 rows each): the short pull is replaced."""
+    x, y = h.make_data(n=36)  # per-replica batch 8: 4 full batches and one of 4 rows
+    per_host_v2 = {"per_host_input_for_training": estimator.InputPipelineConfig.PER_HOST_V2}
+    runs = {}
+    for name, short in (("short", True), ("ref", False)):
+        est = estimator.TPUEstimator(
+            h.model_fn,
+            config=h.config(tmp_path / name, iterations_per_loop=3, tpu=per_host_v2),
+            train_batch_size=64,
+        )
+        with caplog.at_level(logging.WARNING, logger="estimator"):
+            est.train(_epochs(x, y, 8, short=short), max_steps=6)
+        runs[name] = h.params_of(est)
+    assert runs["short"]["global_step"] == 6
+    assert "Skipping a short training batch of 4 rows (batch size 8)" in caplog.text
+    h.assert_params_close(runs["short"], runs["ref"], rtol=0, atol=0)
+
+
 def test_input_that_ends_says_at_which_step_and_that_max_steps_was_not_reached(tmp_path, caplog):
     x, y = h.make_data(n=100)
     with caplog.at_level(logging.WARNING, logger="estimator"):
