@@ -1,5 +1,6 @@
 """The ``tpu-estimator`` command as a user meets it: results, help, errors and manners."""
 
+import io
 import json
 import os
 import shutil
@@ -92,6 +93,9 @@ def test_train_evaluate_predict_share_the_model_dir(tmp_path, capsys):
     np.testing.assert_array_equal(arrays["class_ids"], [r["class_ids"] for r in rows])
     np.testing.assert_allclose(arrays["logits"], [r["logits"] for r in rows], rtol=1e-6)
     np.testing.assert_array_equal(arrays["class_ids"], arrays["logits"].argmax(-1))
+    buf = io.StringIO()  # --output -: the JSON lines are the output, no result line
+    assert cli.main(["predict", *args, "--output", "-"], out=buf) == 0
+    assert [json.loads(line) for line in buf.getvalue().splitlines()] == rows
     # The written predictions score what evaluate reported on the same examples.
     accuracy = np.mean(arrays["class_ids"] == _eval_labels("digits_mlp_small"))
     assert accuracy == pytest.approx(evaluated["accuracy"], abs=1e-6)
