@@ -163,14 +163,14 @@ def main(argv=None) -> int:
         "local_devices": jax.local_device_count(),
         "devices": jax.device_count(),
         "replicas": est.num_replicas,
-        "start_step": 0 if latest is None else int(os.path.basename(latest)),
+        "start_step": 0 if latest is None else int(latest.split("-")[-1]),
     }
     est.train(
         input_fns["train"],
         max_steps=args.max_steps,
         hooks=[_LoopPrinter(args.sleep, args.sleep_from)],
     )
-    out["final_step"] = int(os.path.basename(est.latest_checkpoint()))
+    out["final_step"] = int(est.latest_checkpoint().split("-")[-1])
     if args.shard_params:  # what one device holds: (params, optimizer state) bytes
         state = est._job.store.last.state
         out["bytes_per_device"] = [
