@@ -41,6 +41,8 @@ COMMANDS = {
 
 @dataclasses.dataclass(frozen=True)
 class Option:
+    """One flag: its value's name (None for a switch), help, and the commands that take it."""
+
     flag: str
     metavar: str | None  # None: a switch
     help: str
@@ -112,45 +114,57 @@ def parse(argv: list[str]) -> Invocation:
       UsageError: an unknown command or flag (with the closest known one), a flag of another
         command, a missing value, or a malformed ``--config.KEY=VALUE``.
     """
-    inv, positional, i = Invocation(), [], 0
-    while i < len(argv):
-        arg = argv[i]
-        i += 1
+    inv, positional, rest = Invocation(), [], list(argv)
+    while rest:
+        arg = rest.pop(0)
         if arg.startswith(_OVERRIDE):
             key, sep, value = arg[len(_OVERRIDE) :].partition("=")
             if not sep or not key:
-                raise UsageError(
-                    f"{arg}: expected {_OVERRIDE}KEY=VALUE, e.g. --config.max_steps=200"
-                )
+                raise UsageError(f"{arg}: expected {_OVERRIDE}KEY=VALUE, e.g. --config.max_steps=1")
             inv.overrides[key] = value
-            continue
-        if not arg.startswith("-") or arg == "-":
+        elif arg.startswith("-") and arg != "-":
+            _read_option(inv, arg, rest)
+        else:
             positional.append(arg)
-            continue
-        flag, sep, value = arg.partition("=")
-        option = _BY_FLAG.get(flag)
-        if option is None:
-            raise UsageError(f"unknown option {flag}" + did_you_mean(flag, _BY_FLAG))
-        if option.metavar is None:
-            if sep:
-                raise UsageError(f"{flag} takes no value")
-            setattr(inv, option.flag[2:], True)
-            continue
-        if not sep:
-            if i >= len(argv) or argv[i].startswith("--"):
-                raise UsageError(f"{flag} needs a value: {flag} {option.metavar}")
-            value, i = argv[i], i + 1
-        setattr(inv, option.flag[2:], value)
-    if positional:
-        if positional[0] not in COMMANDS:
-            raise UsageError(
-                f"unknown command {positional[0]!r}"
-                + did_you_mean(positional[0], COMMANDS)
-                + f"; commands: {', '.join(COMMANDS)}"
-            )
-        inv.command, inv.command_given = positional[0], True
+    _read_command(inv, positional)
+    _check_options(inv)
+    return inv
+
+
+def _read_option(inv: Invocation, arg: str, rest: list[str]) -> None:
+    """Sets the option ``arg`` on ``inv``, taking its value from ``rest`` when not ``=``-joined."""
+    flag, sep, value = arg.partition("=")
+    option = _BY_FLAG.get(flag)
+    if option is None:
+        raise UsageError(f"unknown option {flag}" + did_you_mean(flag, _BY_FLAG))
+    if option.metavar is None:
+        if sep:
+            raise UsageError(f"{flag} takes no value")
+        setattr(inv, option.flag[2:], True)
+        return
+    if not sep:
+        if not rest or rest[0].startswith("--"):
+            raise UsageError(f"{flag} needs a value: {flag} {option.metavar}")
+        value = rest.pop(0)
+    setattr(inv, option.flag[2:], value)
+
+
+def _read_command(inv: Invocation, positional: list[str]) -> None:
+    if not positional:
+        return
+    if positional[0] not in COMMANDS:
+        raise UsageError(
+            f"unknown command {positional[0]!r}"
+            + did_you_mean(positional[0], COMMANDS)
+            + f"; commands: {', '.join(COMMANDS)}"
+        )
     if len(positional) > 1:
         raise UsageError(f"unexpected argument {positional[1]!r} after the command")
+    inv.command, inv.command_given = positional[0], True
+
+
+def _check_options(inv: Invocation) -> None:
+    """Options of another command, and the number of processes."""
     for option in OPTIONS:
         if inv.command not in option.commands and getattr(inv, option.flag[2:]) is not None:
             raise UsageError(
@@ -165,7 +179,6 @@ def parse(argv: list[str]) -> Invocation:
         ) from None
     if inv.num_processes < 1:
         raise UsageError(f"--num_processes {inv.num_processes}: expected at least 1")
-    return inv
 
 
 def packaged_configs() -> dict[str, str]:
