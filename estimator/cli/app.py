@@ -26,6 +26,8 @@ import traceback
 from collections.abc import Iterable
 from typing import IO, Any
 
+import numpy as np
+
 from ..errors import CheckpointMismatchError, EstimatorError, NoCheckpointError
 from . import configs, usage
 from .usage import PROG, Invocation, UsageError
@@ -191,8 +193,6 @@ def write_predictions(predictions: Iterable, path: str, *, out: IO[str]) -> int:
     """Writes predictions: ``*.npz`` holds one array per key (examples stacked on axis 0),
     any other name one JSON object per line (``-``: ``out``). Returns how many were written.
     """
-    import numpy as np
-
     if path.endswith(".npz"):
         columns: dict[str, list] = {}
         for p in predictions:
@@ -214,7 +214,7 @@ def write_predictions(predictions: Iterable, path: str, *, out: IO[str]) -> int:
 
 
 def _launch(inv: Invocation, argv: list[str], out: IO[str]) -> int:
-    from ..cluster.launch import launch_local, strip_num_processes
+    from ..cluster.launch import launch_local, strip_num_processes  # imports JAX: see above
 
     configure_logging()
     # The children print only their result (process 0's) on stdout: pass it on to `out`.
@@ -223,8 +223,6 @@ def _launch(inv: Invocation, argv: list[str], out: IO[str]) -> int:
 
 
 def _json_ready(result: dict) -> dict:
-    import numpy as np
-
     return {
         k: (v.tolist() if isinstance(v, np.ndarray | np.generic) else v) for k, v in result.items()
     }
