@@ -79,7 +79,7 @@ def configure_cache(setting: Any) -> str | None:
     (None: off).
 
     Small CPU programs compile in well under JAX's default 1 s threshold and would never be
-    cached, so both thresholds are lowered to 0 (see the JAX notes, section 9).
+    cached, so both thresholds are lowered to 0.
     """
     path = resolve_cache_dir(setting)
     current = jax.config.jax_compilation_cache_dir

@@ -9,10 +9,10 @@ The one exception is training with state split over replicas (``TPUConfig.shard_
 ``shard_optimizer_state``, docs/sharding.md): ``jit(scan(step))``, where each step's gradient
 half is a ``shard_map`` and the optimizer half runs on arrays split over ``"data"``.
 
-Gradients follow the pattern from the JAX notes: params are cast to replica-varying before
-``grad`` and the gradient is ``pmean``-ed, which gives exactly the global-batch mean (the
-implicit psum of a replicated parameter's gradient is what silently gives R times the
-gradient otherwise).
+Gradients follow the pattern of docs/strategy.md ("The gradient trap"): params are cast to
+replica-varying before ``grad`` and the gradient is ``pmean``-ed, which gives exactly the
+global-batch mean (the implicit psum of a replicated parameter's gradient is what silently
+gives R times the gradient otherwise).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Devices form a 2-D mesh ``("data", "model")`` of shape ``(replicas, cores_per_replica)``.
 Loops are manual over ``"data"`` (one model_fn call per replica) and leave ``"model"`` to the
 compiler. Both axes are ``AxisType.Auto`` so plain numpy input and bare ``PartitionSpec``
-constraints work (see the Explicit-axes trap in the JAX notes).
+constraints work (with ``AxisType.Explicit`` every input would need an explicit sharding).
 """
 
 from __future__ import annotations

@@ -186,7 +186,7 @@ def scatter_gradients(grads: PyTree, specs: PyTree) -> PyTree:
     A leaf split over ``"data"`` is reduce-scattered (``psum_scatter`` along its split
     dimension, divided by R): each replica keeps the mean of its 1/R slice. A replicated leaf
     is ``pmean``-ed. ``grads`` must be replica-varying (params cast with ``pcast`` before
-    ``grad``; see the gradient trap in the JAX notes).
+    ``grad``; see "The gradient trap" in docs/strategy.md).
     """
     replicas = lax.axis_size(DATA)
     # As the replicated loop's mean_gradients: XLA:CPU fails to compile cross-device sums of
