@@ -33,6 +33,8 @@ from typing import Any
 import jax
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
+from .errors import EstimatorTypeError
+
 log = logging.getLogger("estimator")
 
 ENV_VAR = "TPU_ESTIMATOR_COMPILATION_CACHE_DIR"
@@ -60,7 +62,7 @@ def resolve_cache_dir(setting: Any) -> str | None:
         return None
     if setting is not None and setting is not True:
         if not isinstance(setting, (str, os.PathLike)):
-            raise TypeError(
+            raise EstimatorTypeError(
                 "RunConfig.compilation_cache_dir must be a path, True, False or None, "
                 f"got {setting!r}"
             )

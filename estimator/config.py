@@ -16,6 +16,8 @@ import os
 import threading
 from typing import Any
 
+from .errors import EstimatorTypeError, EstimatorValueError
+
 log = logging.getLogger("estimator")
 _TF_ONLY = ("master", "evaluation_master", "session_config")
 _QUIET = threading.local()
@@ -34,9 +36,9 @@ def _positive_int(name: str, value: Any, *, allow_none: bool = True) -> None:
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
+        raise EstimatorTypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
     if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
+        raise EstimatorValueError(f"{name} must be positive, got {value}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +80,7 @@ class TPUConfig:
         _positive_int("host_call_every_n_steps", self.host_call_every_n_steps, allow_none=False)
         for name in ("shard_optimizer_state", "shard_params"):
             if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise EstimatorTypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         mode = self.per_host_input_for_training
         if mode is True:
             mode = InputPipelineConfig.PER_HOST_V1
@@ -87,19 +89,19 @@ class TPUConfig:
         try:
             mode = InputPipelineConfig(mode)
         except ValueError:
-            raise ValueError(
+            raise EstimatorValueError(
                 f"per_host_input_for_training must be an InputPipelineConfig, got {mode!r}"
             ) from None
         object.__setattr__(self, "per_host_input_for_training", mode)
         if self.input_partition_dims is not None:
             dims = self.input_partition_dims
             if not isinstance(dims, (list, tuple)) or not 1 <= len(dims) <= 2:
-                raise ValueError(
+                raise EstimatorValueError(
                     "input_partition_dims must be a list of 1 or 2 elements "
                     f"[feature_dims, label_dims], got {dims!r}"
                 )
             if not self.num_cores_per_replica:
-                raise ValueError("input_partition_dims requires num_cores_per_replica")
+                raise EstimatorValueError("input_partition_dims requires num_cores_per_replica")
 
     def replace(self, **kwargs) -> TPUConfig:
         return dataclasses.replace(self, **kwargs)
@@ -154,21 +156,23 @@ class RunConfig:
         if self.tpu_config is None:
             object.__setattr__(self, "tpu_config", TPUConfig())
         if not isinstance(self.tpu_config, TPUConfig):
-            raise TypeError(f"tpu_config must be a TPUConfig, got {type(self.tpu_config)}")
+            raise EstimatorTypeError(f"tpu_config must be a TPUConfig, got {type(self.tpu_config)}")
         if self.model_dir is not None and (
             not isinstance(self.model_dir, (str, bytes))
             and not hasattr(self.model_dir, "__fspath__")
         ):
-            raise TypeError(f"model_dir must be a path, got {self.model_dir!r}")
+            raise EstimatorTypeError(f"model_dir must be a path, got {self.model_dir!r}")
         if self.model_dir is not None:
             object.__setattr__(self, "model_dir", str(self.model_dir))
             if not self.model_dir:
-                raise ValueError("model_dir must be a non-empty path")
+                raise EstimatorValueError("model_dir must be a non-empty path")
         if self.save_checkpoints_steps is not None and self.save_checkpoints_secs is not None:
-            raise ValueError("save_checkpoints_steps and save_checkpoints_secs cannot both be set")
+            raise EstimatorValueError(
+                "save_checkpoints_steps and save_checkpoints_secs cannot both be set"
+            )
         _positive_int("save_checkpoints_steps", self.save_checkpoints_steps)
         if self.save_checkpoints_secs is not None and self.save_checkpoints_secs <= 0:
-            raise ValueError(
+            raise EstimatorValueError(
                 f"save_checkpoints_secs must be positive, got {self.save_checkpoints_secs}"
             )
         if self.keep_checkpoint_max is not None:
@@ -176,15 +180,15 @@ class RunConfig:
         for name in ("save_summary_steps", "log_step_count_steps"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+                raise EstimatorValueError(f"{name} must be a non-negative int, got {value!r}")
         cache = self.compilation_cache_dir
         if cache is not None and not isinstance(cache, (bool, str, os.PathLike)):
-            raise TypeError(
+            raise EstimatorTypeError(
                 f"compilation_cache_dir must be a path, True, False or None, got {cache!r}"
             )
         seed = self.tf_random_seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise TypeError(f"tf_random_seed must be an int, got {seed!r}")
+            raise EstimatorTypeError(f"tf_random_seed must be an int, got {seed!r}")
 
     @property
     def checkpoint_every_secs(self) -> float | None:

@@ -16,6 +16,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from .errors import EstimatorRuntimeError
+
 _LOCAL = threading.local()
 
 
@@ -59,7 +61,7 @@ def padding_mask() -> jnp.ndarray:
     """
     ctx = current()
     if ctx is None:
-        raise RuntimeError("estimator.padding_mask() can only be called inside model_fn")
+        raise EstimatorRuntimeError("estimator.padding_mask() can only be called inside model_fn")
     ctx.notes["padding_mask"] = True  # its loss is taken as masked (see driver/eval_loss.py)
     return ctx.mask
 
@@ -72,5 +74,7 @@ def get_global_step() -> jnp.ndarray:
     """
     ctx = current()
     if ctx is None:
-        raise RuntimeError("estimator.get_global_step() can only be called inside model_fn")
+        raise EstimatorRuntimeError(
+            "estimator.get_global_step() can only be called inside model_fn"
+        )
     return ctx.global_step

@@ -20,6 +20,7 @@ from typing import Any
 import optax
 from jax import lax
 
+from .errors import EstimatorTypeError, EstimatorValueError
 from .parallel.mesh import DATA
 from .parallel.replica_context import get_replica_context
 
@@ -34,7 +35,7 @@ def _reduction(reduction: Any) -> str:
         return "mean"
     if text in _SUM:
         return "sum"
-    raise ValueError(
+    raise EstimatorValueError(
         f"CrossShardOptimizer reduction must be MEAN or SUM (TF's losses.Reduction.MEAN/SUM), "
         f"got {reduction!r}"
     )
@@ -80,12 +81,12 @@ def CrossShardOptimizer(  # noqa: N802 - TF's name
     """
     del name
     if not isinstance(tx, optax.GradientTransformation):
-        raise TypeError(
+        raise EstimatorTypeError(
             f"CrossShardOptimizer wraps an optax.GradientTransformation, got {type(tx).__name__}"
         )
     kind = _reduction(reduction)
     if group_assignment is not None:
-        raise ValueError(
+        raise EstimatorValueError(
             "CrossShardOptimizer(group_assignment=...) is not supported: the estimator averages "
             "gradients over all replicas"
         )

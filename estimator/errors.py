@@ -13,6 +13,8 @@ Example:
 
 from __future__ import annotations
 
+import hooks
+
 
 class EstimatorError(Exception):
     """Base of every error this framework raises on purpose."""
@@ -28,6 +30,18 @@ class EstimatorTypeError(EstimatorError, TypeError):
 
 class EstimatorRuntimeError(EstimatorError, RuntimeError):
     """A failure while running: host work, another process, the environment."""
+
+
+class EstimatorKeyError(EstimatorError, KeyError):
+    """A name that is not there (e.g. a hook fetching a value the loop does not expose)."""
+
+
+class NanLossDuringTrainingError(EstimatorRuntimeError, hooks.NanLossDuringTrainingError):
+    """A NaN or Inf in training; also a ``hooks.NanLossDuringTrainingError``.
+
+    ``hooks`` is a package of its own that does not depend on this one, so its error is
+    extended here rather than made to derive from ``EstimatorError`` there.
+    """
 
 
 class CheckpointError(EstimatorError, RuntimeError):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .errors import EstimatorValueError
+
 
 @dataclasses.dataclass(frozen=True)
 class InputContext:
@@ -22,7 +24,7 @@ class InputContext:
     def get_per_replica_batch_size(self, global_batch_size: int) -> int:
         """The global batch split evenly over replicas; uneven is a ValueError."""
         if global_batch_size % self.num_replicas_in_sync:
-            raise ValueError(
+            raise EstimatorValueError(
                 f"global_batch_size={global_batch_size} is not divisible by "
                 f"num_replicas_in_sync={self.num_replicas_in_sync}"
             )

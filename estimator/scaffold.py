@@ -26,6 +26,7 @@ import numpy as np
 
 from . import context
 from .driver.host import check_no_traced_values, traced_value_guard
+from .errors import EstimatorTypeError, EstimatorValueError
 from .io.checkpoint import read_variables
 from .io.variables import flatten, unflatten_into
 from .spec import ModeKeys
@@ -69,7 +70,7 @@ def _restore_matching(
             continue
         got = np.asarray(source[src])
         if got.shape != np.shape(value):
-            raise ValueError(
+            raise EstimatorValueError(
                 f"{what}: variable {name!r} has shape {np.shape(value)} but checkpoint "
                 f"variable {src!r} has shape {got.shape}"
             )
@@ -111,7 +112,7 @@ def init_from_checkpoint(path: str, assignment_map: dict[str, str]) -> Callable[
       ...     init_from_checkpoint(params["init_checkpoint"], {"bert/": "bert/"})  # TF's form
     """
     if not isinstance(assignment_map, dict) or not assignment_map:
-        raise ValueError("assignment_map must be a non-empty dict {checkpoint_name: name}")
+        raise EstimatorValueError("assignment_map must be a non-empty dict {checkpoint_name: name}")
 
     def mapping(name: str) -> str | None:
         return _source_name(name, assignment_map)
@@ -148,7 +149,7 @@ def _warm_start_fn(setting: Any) -> Callable[[dict], dict]:
     if isinstance(setting, str) or hasattr(setting, "__fspath__"):
         setting = WarmStartSettings(str(setting))
     if not isinstance(setting, WarmStartSettings):
-        raise TypeError(
+        raise EstimatorTypeError(
             f"warm_start_from must be a path or WarmStartSettings, got {type(setting).__name__}"
         )
     pattern = re.compile(setting.vars_to_warm_start)
@@ -170,7 +171,9 @@ def _call_scaffold_fn(scaffold_fn: Callable) -> Scaffold:
     with traced_value_guard("scaffold_fn"):
         scaffold = scaffold_fn()
     if not isinstance(scaffold, Scaffold):
-        raise ValueError(f"scaffold_fn must return an estimator.Scaffold, got {scaffold!r}")
+        raise EstimatorValueError(
+            f"scaffold_fn must return an estimator.Scaffold, got {scaffold!r}"
+        )
     return scaffold
 
 
@@ -198,7 +201,7 @@ def fresh_init_fn(
             with traced_value_guard("Scaffold.init_fn"):
                 variables = fn(variables)
             if not isinstance(variables, dict):
-                raise TypeError("Scaffold.init_fn must return the variables dict")
+                raise EstimatorTypeError("Scaffold.init_fn must return the variables dict")
         return variables
 
     return init_fn

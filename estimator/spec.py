@@ -18,6 +18,8 @@ import optax
 
 from hooks.base import as_hook_list
 
+from .errors import EstimatorTypeError, EstimatorValueError
+
 
 class ModeKeys:
     """The three modes model_fn is called in (TF's string values)."""
@@ -58,12 +60,12 @@ def validate_host_fn_tuple(value: Any, field: str) -> None:
       ValueError/TypeError naming ``field`` and, for a tensor, its position or key.
     """
     if not isinstance(value, (tuple, list)) or len(value) != 2:
-        raise ValueError(
+        raise EstimatorValueError(
             f"{field} should be a tuple/list of 2 elements (fn, tensors), got {value!r}"
         )
     fn, tensors = value
     if not callable(fn):
-        raise TypeError(f"{field}[0] (the function) must be callable, got {fn!r}")
+        raise EstimatorTypeError(f"{field}[0] (the function) must be callable, got {fn!r}")
     if isinstance(tensors, Mapping):
         items = list(tensors.items())
     elif isinstance(tensors, (list, tuple)):
@@ -71,20 +73,20 @@ def validate_host_fn_tuple(value: Any, field: str) -> None:
         required, maximum, varargs = _arg_count(fn)
         if not varargs and not (required <= len(tensors) <= maximum):
             takes = required if required == maximum else f"{required}-{maximum}"
-            raise ValueError(
+            raise EstimatorValueError(
                 f"In {field}, the function takes {takes} positional arguments but "
                 f"{len(tensors)} tensors were given"
             )
     else:
-        raise TypeError(
+        raise EstimatorTypeError(
             f"{field}[1] (the tensors) must be a list, tuple or dict, got {type(tensors).__name__}"
         )
     for key, tensor in items:
         rank = _rank(tensor)
         if rank is None:
-            raise TypeError(f"{field} tensor {key!r} is not an array: {tensor!r}")
+            raise EstimatorTypeError(f"{field} tensor {key!r} is not an array: {tensor!r}")
         if rank == 0:
-            raise ValueError(
+            raise EstimatorValueError(
                 f"{field} tensor {key!r} has rank 0; host tensors need rank >= 1 because they "
                 "are concatenated across replicas along axis 0 (reshape it to [1])"
             )
@@ -125,29 +127,35 @@ class TPUEstimatorSpec:
         prediction_hooks: Sequence | None = None,
     ):
         if mode not in ModeKeys.ALL:
-            raise ValueError(f"mode must be one of {ModeKeys.ALL}, got {mode!r}")
+            raise EstimatorValueError(f"mode must be one of {ModeKeys.ALL}, got {mode!r}")
         if mode in (ModeKeys.TRAIN, ModeKeys.EVAL) and loss is None:
-            raise ValueError(f"Missing loss: TPUEstimatorSpec in mode {mode!r} needs a loss")
+            raise EstimatorValueError(
+                f"Missing loss: TPUEstimatorSpec in mode {mode!r} needs a loss"
+            )
         if loss is not None:
             shape = getattr(loss, "shape", None)
             if shape is None:
-                raise TypeError(f"loss must be an array, got {type(loss).__name__}")
+                raise EstimatorTypeError(f"loss must be an array, got {type(loss).__name__}")
             if len(shape) > 1 or (len(shape) == 1 and shape[0] != 1):
-                raise ValueError(f"loss must be a scalar, got shape {tuple(shape)}")
+                raise EstimatorValueError(f"loss must be a scalar, got shape {tuple(shape)}")
         if mode == ModeKeys.TRAIN:
             if train_op is None:
-                raise ValueError("Missing train_op: TPUEstimatorSpec in TRAIN mode needs one")
+                raise EstimatorValueError(
+                    "Missing train_op: TPUEstimatorSpec in TRAIN mode needs one"
+                )
             if not isinstance(train_op, optax.GradientTransformation):
-                raise TypeError(
+                raise EstimatorTypeError(
                     "train_op must be an optax.GradientTransformation (e.g. optax.adam(1e-3)), "
                     f"got {type(train_op).__name__}"
                 )
         if mode == ModeKeys.PREDICT:
             if predictions is None:
-                raise ValueError("Missing predictions: TPUEstimatorSpec in PREDICT mode needs them")
+                raise EstimatorValueError(
+                    "Missing predictions: TPUEstimatorSpec in PREDICT mode needs them"
+                )
         if predictions is not None and not isinstance(predictions, Mapping):
             if _rank(predictions) is None:
-                raise TypeError(
+                raise EstimatorTypeError(
                     f"predictions must be an array or a dict of arrays, got {type(predictions)}"
                 )
         if eval_metrics is not None:
@@ -155,9 +163,11 @@ class TPUEstimatorSpec:
         if host_call is not None:
             validate_host_fn_tuple(host_call, "host_call")
         if scaffold_fn is not None and not callable(scaffold_fn):
-            raise TypeError(f"scaffold_fn must be callable, got {scaffold_fn!r}")
+            raise EstimatorTypeError(f"scaffold_fn must be callable, got {scaffold_fn!r}")
         if export_outputs is not None and not isinstance(export_outputs, Mapping):
-            raise TypeError(f"export_outputs must be a dict, got {type(export_outputs).__name__}")
+            raise EstimatorTypeError(
+                f"export_outputs must be a dict, got {type(export_outputs).__name__}"
+            )
         self.mode = mode
         self.predictions = predictions
         self.loss = loss
@@ -212,7 +222,7 @@ class EstimatorSpec:
         prediction_hooks: Sequence | None = None,
     ):
         if eval_metric_ops:
-            raise ValueError(
+            raise EstimatorValueError(
                 "EstimatorSpec.eval_metric_ops is not supported: metrics run on the host, "
                 "return TPUEstimatorSpec(eval_metrics=(metric_fn, tensors)) instead"
             )
@@ -250,11 +260,11 @@ def as_tpu_spec(spec: Any, mode: str) -> TPUEstimatorSpec:
     if isinstance(spec, EstimatorSpec):
         spec = spec.to_tpu_spec()
     if not isinstance(spec, TPUEstimatorSpec):
-        raise TypeError(
+        raise EstimatorTypeError(
             f"model_fn must return a TPUEstimatorSpec (or EstimatorSpec), got {type(spec).__name__}"
         )
     if spec.mode != mode:
-        raise ValueError(
+        raise EstimatorValueError(
             f"model_fn was called in mode {mode!r} but returned a spec for {spec.mode!r}"
         )
     return spec

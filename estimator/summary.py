@@ -51,6 +51,8 @@ from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto import event_pb2
 from tensorboardX.summary import scalar as scalar_summary
 
+from .errors import EstimatorRuntimeError, EstimatorValueError
+
 _LOCAL = threading.local()
 _WRITERS: dict[str, Any] = {}
 _RESULTS: dict[str, tuple] = {}  # logdir -> (tensorboardX EventsWriter, its file)
@@ -137,7 +139,7 @@ def _target(step: Any) -> tuple[Any, int]:
     process, or a recording condition that says no)."""
     current = getattr(_LOCAL, "current", None)
     if current is None:
-        raise RuntimeError(
+        raise EstimatorRuntimeError(
             "estimator.summary functions write to the writer the estimator makes current; call "
             "them from a host_call function (or inside summary.record(writer, step), or "
             "create_file_writer(logdir).as_default())"
@@ -145,7 +147,9 @@ def _target(step: Any) -> tuple[Any, int]:
     writer, default_step = current
     step = default_step if step is None else int(np.asarray(step).reshape(()))
     if step is None:
-        raise ValueError("no global step is current here: pass step= to the summary function")
+        raise EstimatorValueError(
+            "no global step is current here: pass step= to the summary function"
+        )
     return (writer if _should_record(step) else None), step
 
 
@@ -156,7 +160,9 @@ def _tag(name: str, family: str | None) -> str:
 def _value(name: str, x: Any) -> float:
     arr = np.asarray(x)
     if arr.size != 1:
-        raise ValueError(f"summary.scalar({name!r}) needs a single value, got shape {arr.shape}")
+        raise EstimatorValueError(
+            f"summary.scalar({name!r}) needs a single value, got shape {arr.shape}"
+        )
     return float(arr.reshape(()))
 
 
@@ -269,7 +275,7 @@ def create_file_writer(
     """
     del filename_suffix, name
     if not isinstance(logdir, (str, os.PathLike)) or not str(logdir):
-        raise ValueError(f"create_file_writer needs a directory, got {logdir!r}")
+        raise EstimatorValueError(f"create_file_writer needs a directory, got {logdir!r}")
     return FileWriter(str(logdir), max_queue=max_queue, flush_millis=flush_millis)
 
 
@@ -302,7 +308,7 @@ def record_summaries_every_n_global_steps(n: int, global_step: Any = None):
         summary is written at.
     """
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n <= 0:
-        raise ValueError(f"record_summaries_every_n_global_steps needs n > 0, got {n!r}")
+        raise EstimatorValueError(f"record_summaries_every_n_global_steps needs n > 0, got {n!r}")
     fixed = None if global_step is None else int(np.asarray(global_step).reshape(()))
 
     def condition(step: int | None) -> bool:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .errors import EstimatorRuntimeError
+
 
 @dataclasses.dataclass(frozen=True)
 class TPUContext:
@@ -54,7 +56,7 @@ class TPUContext:
           RuntimeError: outside input_fn (TF sets it only in input_fn's params).
         """
         if self.input_deployment is None:
-            raise RuntimeError(
+            raise EstimatorRuntimeError(
                 "current_input_fn_deployment() is only available in input_fn's params['context']"
             )
         return self.input_deployment

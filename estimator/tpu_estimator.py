@@ -35,7 +35,7 @@ from .driver.prediction import run_predict_loops
 from .driver.training import run_train_loops
 from .engine.model import ModelFn, user_params
 from .engine.programs import Programs
-from .errors import NoCheckpointError
+from .errors import EstimatorTypeError, EstimatorValueError, NoCheckpointError
 from .io import checkpoint as ckpt_lib
 from .io.export import export_saved_model
 from .io.store import StateStore
@@ -75,10 +75,12 @@ class TPUEstimator:
         warm_start_from: Any = None,
     ):
         if not callable(model_fn):
-            raise TypeError(f"model_fn must be callable, got {type(model_fn).__name__}")
+            raise EstimatorTypeError(f"model_fn must be callable, got {type(model_fn).__name__}")
         config = config if config is not None else RunConfig()
         if not isinstance(config, RunConfig):
-            raise TypeError(f"config must be an estimator.RunConfig, got {type(config).__name__}")
+            raise EstimatorTypeError(
+                f"config must be an estimator.RunConfig, got {type(config).__name__}"
+            )
         start_cluster(config.cluster, model_dir=model_dir or config.model_dir)  # before devices
         self._config = config.replace(model_dir=_model_dir(model_dir, config))
         runtime.setup(self._config)
@@ -96,7 +98,7 @@ class TPUEstimator:
         self._model.num_cores_per_replica = self._mesh.shape["model"]
         self._model.use_tpu = self._use_tpu
         if self._use_tpu and tpu.num_shards is not None and tpu.num_shards != self._replicas:
-            raise ValueError(
+            raise EstimatorValueError(
                 f"TPUConfig.num_shards={tpu.num_shards} does not match the {self._replicas} "
                 "replicas the devices provide"
             )
@@ -200,7 +202,7 @@ class TPUEstimator:
           ``global_step``.
         """
         if steps is not None and (not isinstance(steps, int) or steps <= 0):
-            raise ValueError(f"Must specify steps > 0, given: {steps}")
+            raise EstimatorValueError(f"Must specify steps > 0, given: {steps}")
         hooks = as_hook_list(hooks)
         return run_eval_loops(
             self._job,
@@ -238,7 +240,9 @@ class TPUEstimator:
             not isinstance(predict_keys, (list, tuple))
             or not all(isinstance(k, str) for k in predict_keys)
         ):
-            raise TypeError(f"predict_keys must be a str or a list of str, got {predict_keys!r}")
+            raise EstimatorTypeError(
+                f"predict_keys must be a str or a list of str, got {predict_keys!r}"
+            )
         hooks = as_hook_list(hooks)
         return run_predict_loops(
             self._job,
@@ -299,7 +303,9 @@ class TPUEstimator:
         variables = self._saved_variables()
         if name not in variables:
             close = [n for n in variables if name.split("/")[-1] in n][:5]
-            raise ValueError(f"Variable {name!r} not found in checkpoint; similar: {close}")
+            raise EstimatorValueError(
+                f"Variable {name!r} not found in checkpoint; similar: {close}"
+            )
         return variables[name]
 
     def _saved_variables(self) -> dict[str, np.ndarray]:
@@ -312,7 +318,7 @@ class TPUEstimator:
 def _model_dir(model_dir: str | None, config: RunConfig) -> str:
     if model_dir is not None and config.model_dir is not None:
         if os.path.abspath(str(model_dir)) != os.path.abspath(config.model_dir):
-            raise ValueError(
+            raise EstimatorValueError(
                 f"model_dir={model_dir!r} differs from config.model_dir={config.model_dir!r}"
             )
     chosen = model_dir if model_dir is not None else config.model_dir
@@ -325,9 +331,9 @@ def _model_dir(model_dir: str | None, config: RunConfig) -> str:
 
 def _check_steps(steps, max_steps) -> None:
     if steps is not None and max_steps is not None:
-        raise ValueError("Can not provide both steps and max_steps.")
+        raise EstimatorValueError("Can not provide both steps and max_steps.")
     for name, value in (("steps", steps), ("max_steps", max_steps)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise TypeError(f"{name} must be an int, got {value!r}")
+            raise EstimatorTypeError(f"{name} must be an int, got {value!r}")
         if value is not None and value <= 0:
-            raise ValueError(f"Must specify {name} > 0, given: {value}")
+            raise EstimatorValueError(f"Must specify {name} > 0, given: {value}")

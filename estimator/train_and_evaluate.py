@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 import hooks as hooks_lib
 
+from .errors import EstimatorTypeError, EstimatorValueError
 from .parallel import multihost
 
 log = logging.getLogger("estimator")
@@ -37,9 +38,9 @@ class TrainSpec:
 
     def __post_init__(self):
         if not callable(self.input_fn):
-            raise TypeError(f"TrainSpec.input_fn must be callable, got {self.input_fn!r}")
+            raise EstimatorTypeError(f"TrainSpec.input_fn must be callable, got {self.input_fn!r}")
         if self.max_steps is not None and self.max_steps <= 0:
-            raise ValueError(f"TrainSpec.max_steps must be positive, got {self.max_steps}")
+            raise EstimatorValueError(f"TrainSpec.max_steps must be positive, got {self.max_steps}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,11 +69,11 @@ class EvalSpec:
 
     def __post_init__(self):
         if not callable(self.input_fn):
-            raise TypeError(f"EvalSpec.input_fn must be callable, got {self.input_fn!r}")
+            raise EstimatorTypeError(f"EvalSpec.input_fn must be callable, got {self.input_fn!r}")
         if self.steps is not None and self.steps <= 0:
-            raise ValueError(f"EvalSpec.steps must be positive or None, got {self.steps}")
+            raise EstimatorValueError(f"EvalSpec.steps must be positive or None, got {self.steps}")
         if self.throttle_secs < 0 or self.start_delay_secs < 0:
-            raise ValueError("EvalSpec.throttle_secs and start_delay_secs must be >= 0")
+            raise EstimatorValueError("EvalSpec.throttle_secs and start_delay_secs must be >= 0")
 
 
 def _now() -> float:
@@ -122,9 +123,9 @@ def train_and_evaluate(est, train_spec: TrainSpec, eval_spec: EvalSpec) -> tuple
       ``(last eval results, [])`` (the empty list stands for TF's export results).
     """
     if not isinstance(train_spec, TrainSpec):
-        raise TypeError(f"train_spec must be a TrainSpec, got {type(train_spec).__name__}")
+        raise EstimatorTypeError(f"train_spec must be a TrainSpec, got {type(train_spec).__name__}")
     if not isinstance(eval_spec, EvalSpec):
-        raise TypeError(f"eval_spec must be an EvalSpec, got {type(eval_spec).__name__}")
+        raise EstimatorTypeError(f"eval_spec must be an EvalSpec, got {type(eval_spec).__name__}")
     listener = _EvalOnCheckpoint(est, eval_spec)
     est.train(
         train_spec.input_fn,

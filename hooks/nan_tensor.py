@@ -41,6 +41,8 @@ class NanTensorHook(SessionRunHook):
       nan_step: the first bad step seen, or ``None``.
     """
 
+    error: type[NanLossDuringTrainingError] = NanLossDuringTrainingError  # what it raises
+
     def __init__(self, loss_tensor: str = "loss", fail_on_nan_loss: bool = True):
         self._loss_tensor = loss_tensor
         self._fail_on_nan_loss = fail_on_nan_loss
@@ -67,6 +69,6 @@ class NanTensorHook(SessionRunHook):
         value = loss[first] if loss.ndim == 1 else "non-finite"
         message = f"NaN loss during training{where} (loss = {value})."
         if self._fail_on_nan_loss:
-            raise NanLossDuringTrainingError(message, global_step=self.nan_step)
+            raise self.error(message, global_step=self.nan_step)
         _util.logger.error("Model diverged with loss = NaN%s; requesting stop.", where)
         run_context.request_stop()

@@ -38,7 +38,7 @@ import warnings
 from typing import Any
 
 from .. import _compat
-from ..errors import EstimatorValueError
+from ..errors import EstimatorRuntimeError, EstimatorTypeError, EstimatorValueError
 
 log = logging.getLogger("estimator")
 
@@ -62,7 +62,7 @@ def _int_or_none(name: str, value: Any) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
+        raise EstimatorTypeError(f"{name} must be an int, got {value!r}")
     return value
 
 
@@ -227,20 +227,20 @@ class TPUClusterResolver:
             if value is None:
                 value = int(os.environ.get(TIMEOUT_ENV[name], _DEFAULT_TIMEOUTS[name]))
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int (seconds), got {value!r}")
+                raise EstimatorValueError(f"{name} must be a positive int (seconds), got {value!r}")
             self.timeouts[name] = value
         self._check()
 
     def _check(self) -> None:
         n, i = self.num_processes, self.process_id
         if n is not None and n < 1:
-            raise ValueError(f"num_processes must be >= 1, got {n}")
+            raise EstimatorValueError(f"num_processes must be >= 1, got {n}")
         if i is not None and i < 0:
-            raise ValueError(f"process_id must be >= 0, got {i}")
+            raise EstimatorValueError(f"process_id must be >= 0, got {i}")
         if n is not None and i is not None and i >= n:
-            raise ValueError(f"process_id={i} must be smaller than num_processes={n}")
+            raise EstimatorValueError(f"process_id={i} must be smaller than num_processes={n}")
         if self.coordinator_address is not None and ":" not in str(self.coordinator_address):
-            raise ValueError(
+            raise EstimatorValueError(
                 f"coordinator_address must be 'host:port', got {self.coordinator_address!r}"
             )
 
@@ -304,7 +304,7 @@ class TPUClusterResolver:
             _connected.update(wanted)
             return
         if _compat.backends_are_initialized():
-            raise RuntimeError(
+            raise EstimatorRuntimeError(
                 "TPUClusterResolver.connect() must run before JAX uses any device (a "
                 "computation, jax.devices(), jax.device_put, ...): construct the TPUEstimator "
                 "or TPUStrategy (or call connect()) first in the program"
@@ -361,7 +361,7 @@ def _merge(name: str, given: Any, from_env: Any, env_var: str) -> Any:
 def _check_same_job(connected: dict, wanted: dict) -> None:
     for key, value in wanted.items():
         if value is not None and connected.get(key) is not None and connected[key] != value:
-            raise RuntimeError(
+            raise EstimatorRuntimeError(
                 f"this process already joined a job with {key}={connected[key]!r}; "
                 f"cannot join another with {key}={value!r}"
             )
@@ -396,14 +396,14 @@ def start_cluster(cluster: Any, *, model_dir: str | None) -> None:
         return
     connect = getattr(cluster, "connect", None)
     if not callable(connect):
-        raise TypeError(
+        raise EstimatorTypeError(
             f"RunConfig.cluster must be a TPUClusterResolver (or have connect()), got {cluster!r}"
         )
     connect()
     import jax
 
     if model_dir is None and jax.process_count() > 1:
-        raise ValueError(
+        raise EstimatorValueError(
             "model_dir must be set in a many-process job: every process writes the same "
             "checkpoints (use a directory all hosts see, e.g. a bucket or shared disk)"
         )

@@ -32,6 +32,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO
 
+from ..errors import EstimatorValueError
 from .cluster import TIMEOUT_ENV
 
 DEFAULT_TOTAL_DEVICES = 8
@@ -61,12 +62,12 @@ def strip_num_processes(argv: Sequence[str]) -> list[str]:
 
 def _device_split(num_processes: int, total_devices: int | None, xla_flags: str) -> int:
     if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
-        raise ValueError(f"num_processes must be a positive int, got {num_processes!r}")
+        raise EstimatorValueError(f"num_processes must be a positive int, got {num_processes!r}")
     if total_devices is None:
         found = _DEVICE_FLAG.search(xla_flags)
         total_devices = int(found.group(1)) if found else DEFAULT_TOTAL_DEVICES
     if total_devices < num_processes or total_devices % num_processes:
-        raise ValueError(
+        raise EstimatorValueError(
             f"total_devices={total_devices} CPU devices cannot be shared evenly by "
             f"num_processes={num_processes}"
         )
@@ -105,7 +106,9 @@ def child_envs(
     workers = [f"127.0.0.1:{p}" for p in ports]
     unknown = sorted(set(timeouts or {}) - set(TIMEOUT_ENV))
     if unknown:
-        raise ValueError(f"unknown timeouts {unknown}; expected some of {sorted(TIMEOUT_ENV)}")
+        raise EstimatorValueError(
+            f"unknown timeouts {unknown}; expected some of {sorted(TIMEOUT_ENV)}"
+        )
     envs = []
     for i in range(num_processes):
         env = dict(base, XLA_FLAGS=flags)

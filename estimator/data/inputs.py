@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from ..errors import EstimatorTypeError, EstimatorValueError
 from ..input_context import InputContext
 from ..parallel import multihost
 from .layout import BatchLayout
@@ -41,7 +42,7 @@ def call_input_fn(
       TypeError: what it returned is not iterable.
     """
     if not callable(input_fn):
-        raise TypeError(f"input_fn must be callable, got {input_fn!r}")
+        raise EstimatorTypeError(f"input_fn must be callable, got {input_fn!r}")
     names = [
         p.name
         for p in inspect.signature(input_fn).parameters.values()
@@ -49,22 +50,24 @@ def call_input_fn(
     ]
     unknown = [n for n in names if n not in _INPUT_FN_ARGS]
     if unknown:
-        raise ValueError(
+        raise EstimatorValueError(
             f"input_fn has unexpected argument(s) {unknown}; "
             f"it may take {', '.join(_INPUT_FN_ARGS)}"
         )
     if "params" not in names:
-        raise ValueError("input_fn must take a 'params' argument (it carries the batch size)")
+        raise EstimatorValueError(
+            "input_fn must take a 'params' argument (it carries the batch size)"
+        )
     values = {"params": params, "config": config, "mode": mode, "input_context": input_context}
     data = input_fn(**{n: values[n] for n in names})
     if hasattr(data, "as_numpy_iterator"):
         data = data.as_numpy_iterator()
     if data is None:
-        raise TypeError("input_fn returned None; it must return an iterable of batches")
+        raise EstimatorTypeError("input_fn returned None; it must return an iterable of batches")
     try:
         return iter(data)
     except TypeError:
-        raise TypeError(
+        raise EstimatorTypeError(
             f"input_fn must return an iterable of batches, got {type(data).__name__}"
         ) from None
 
@@ -87,12 +90,12 @@ def encode_state(state: Any) -> Any:
             return {_BYTES: base64.b64encode(bytes(o)).decode("ascii")}
         if isinstance(o, np.generic):
             return o.item()
-        raise TypeError(f"{type(o).__name__} is not JSON serializable")
+        raise EstimatorTypeError(f"{type(o).__name__} is not JSON serializable")
 
     try:
         return json.loads(json.dumps(state, default=default))
     except (TypeError, ValueError) as e:
-        raise TypeError(
+        raise EstimatorTypeError(
             f"the input iterator's get_state() returned a {type(state).__name__} that cannot be "
             f"saved in a checkpoint ({e}); return JSON-serialisable values (dict, list, str, "
             "numbers, bytes), or remove get_state/set_state to fast-forward the input instead"
@@ -146,7 +149,7 @@ def _check_fits(x: np.ndarray, target: np.dtype, name: str) -> None:
         return
     low, high, info = x.min(), x.max(), np.iinfo(target)
     if low < info.min or high > info.max:
-        raise ValueError(
+        raise EstimatorValueError(
             f"input batch entry {name} has {x.dtype} values outside the {target} range "
             f"(min {low}, max {high}): they would wrap silently on the devices. Map them into "
             f"{target} in input_fn (e.g. hashed ids modulo the vocabulary size), or enable "
@@ -168,11 +171,11 @@ def signature_of(tree: Any) -> Signature:
     leaves = [_canonical(x, _name(p)) for p, x in leaves_with_path]
     for (path, _), x in zip(leaves_with_path, leaves):
         if x.ndim == 0:
-            raise ValueError(
+            raise EstimatorValueError(
                 f"input batch entry {_name(path)} is a scalar; every entry needs a batch dimension"
             )
         if x.dtype.kind not in "biufc":
-            raise TypeError(
+            raise EstimatorTypeError(
                 f"input batch entry {_name(path)} has dtype {x.dtype}; batches must hold numeric "
                 "or bool arrays (turn strings into ids in input_fn)"
             )
@@ -196,19 +199,21 @@ def conform(tree: Any, sig: Signature, *, rows: int, allow_short: bool) -> tuple
     """
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
     if treedef != sig.treedef:
-        raise ValueError(f"input batch structure changed: expected {sig.treedef}, got {treedef}")
+        raise EstimatorValueError(
+            f"input batch structure changed: expected {sig.treedef}, got {treedef}"
+        )
     out = []
     for (path, x), shape, dtype in zip(leaves_with_path, sig.shapes, sig.dtypes):
         name = _name(path)
         x = _canonical(x, name)
         if x.ndim == 0 or x.shape[1:] != shape:
-            raise ValueError(
+            raise EstimatorValueError(
                 f"input batch entry {name} has shape {x.shape}, expected (batch, *{shape}) "
                 f"with batch {rows}"
             )
         if x.dtype != dtype:
             if not np.can_cast(x.dtype, dtype, casting="same_kind"):
-                raise TypeError(
+                raise EstimatorTypeError(
                     f"input batch entry {name} has dtype {x.dtype}, expected {dtype}; a new dtype "
                     "would recompile the loop, so cast it in input_fn"
                 )
@@ -216,7 +221,7 @@ def conform(tree: Any, sig: Signature, *, rows: int, allow_short: bool) -> tuple
         out.append(x)
     n = _batch_rows(out, [_name(p) for p, _ in leaves_with_path], rows)
     if n > rows or (n < rows and not allow_short):
-        raise ValueError(
+        raise EstimatorValueError(
             f"input batch has {n} rows, expected batch size {rows} (entry {sig.paths[0]}, "
             f"shape {out[0].shape if out else ()})"
         )
@@ -237,7 +242,7 @@ def _batch_rows(leaves: list, names: list[str], rows: int) -> int:
     counts = collections.Counter(leading)
     batch = rows if rows in counts else max(counts, key=lambda d: (counts[d], d))
     wrong = [f"{name} (shape {x.shape})" for name, x in zip(names, leaves) if x.shape[0] != batch]
-    raise ValueError(
+    raise EstimatorValueError(
         f"input batch entry {', '.join(wrong)} does not lead with the batch dimension: the "
         f"batch has {batch} rows (batch size {rows}) and every entry must be batch-major, "
         "shape (batch, ...). Transpose such an entry back in input_fn (e.g. TF's "
@@ -316,7 +321,7 @@ class Pipeline:
             return None
         self.pulled += 1
         if isinstance(element, (str, bytes)):
-            raise TypeError(
+            raise EstimatorTypeError(
                 f"input_fn's iterable yielded {element!r}, not a batch; it must yield "
                 "(features, labels) or features of arrays (a dict of whole arrays iterates "
                 "over its keys: yield batches instead)"
@@ -368,7 +373,7 @@ class Pipeline:
                 break
             leaves, n = got
             if n < self.rows_per_pull and not self.pad and not self.positioned and self.pulled == 1:
-                raise ValueError(
+                raise EstimatorValueError(
                     f"the first training batch has {n} rows, expected params['batch_size'] = "
                     f"{self.rows_per_pull} (entry {self.sig.paths[0]}); input_fn must batch "
                     "with the batch size it is given"

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from ..errors import EstimatorValueError
 from ..parallel import multihost
 from .inputs import Chunk, stack_steps
 
@@ -62,7 +63,7 @@ class SyncedChunks:
     def _empty_chunk(self, n: int):
         pipe = self._pipe
         if pipe.sig is None:
-            raise ValueError(
+            raise EstimatorValueError(
                 f"input_fn of process {jax.process_index()} produced no batches while other "
                 "processes' did; every process needs at least one batch to know the shapes"
             )

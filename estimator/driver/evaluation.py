@@ -11,6 +11,7 @@ import numpy as np
 
 from .. import summary
 from ..engine.state import restore_variables
+from ..errors import EstimatorValueError
 from ..parallel import multihost
 from ..runtime import seed_key_data
 from ..spec import ModeKeys
@@ -53,7 +54,7 @@ def device_loops(
     try:
         chunk = next(prefetch, None)
         if chunk is None:
-            raise ValueError(
+            raise EstimatorValueError(
                 f"input_fn produced no batches to {'evaluate' if mode == 'eval' else 'predict'}"
             )
         job.model.check_labels(pipe.has_labels)
@@ -101,7 +102,7 @@ def _check_predictions(predictions: Any, rows: int) -> None:
         shape = tuple(getattr(value, "shape", ()))
         if not shape or shape[0] != rows:
             name = jax.tree_util.keystr(path) or "predictions"
-            raise ValueError(
+            raise EstimatorValueError(
                 f"prediction {name} has shape {shape}; predictions need a leading batch "
                 f"dimension of {rows} (the rows model_fn was given) so they can be split "
                 "into examples"

@@ -15,6 +15,8 @@ from hooks import (
 )
 from hooks.base import as_hook_list, fetch_names, resolve_fetches
 
+from ..errors import EstimatorKeyError, EstimatorRuntimeError
+
 
 class Session:
     """What hooks see as ``session``: the step, the directory, and a way to checkpoint."""
@@ -34,7 +36,9 @@ class Session:
 
     def save(self, step: int | None = None) -> str | None:
         if self._save is None:
-            raise RuntimeError(f"checkpoints can only be saved while training, not in {self.mode}")
+            raise EstimatorRuntimeError(
+                f"checkpoints can only be saved while training, not in {self.mode}"
+            )
         return self._save(step)
 
 
@@ -81,7 +85,7 @@ class HookRunner:
 
         def lookup(name: str):
             if name not in values:
-                raise KeyError(
+                raise EstimatorKeyError(
                     f"a hook fetched {name!r}, but the loop exposes only {sorted(values)}"
                 )
             return values[name]

@@ -31,7 +31,7 @@ import numpy as np
 import metrics as metrics_lib
 
 from .. import summary
-from ..errors import EstimatorValueError
+from ..errors import EstimatorTypeError, EstimatorValueError
 
 _TRACER_ERRORS = (
     jax.errors.UnexpectedTracerError,
@@ -307,12 +307,12 @@ class MetricAccumulator:
         """Runs ``metric_fn`` on one batch's real rows and merges what it returns."""
         out = call_host_fn(metric_fn, tensors, what=_METRIC_FN, check=check)
         if not isinstance(out, Mapping):
-            raise TypeError(
+            raise EstimatorTypeError(
                 f"metric_fn must return a dict of name -> metrics.Metric, got {type(out).__name__}"
             )
         for name, value in out.items():
             if name in RESERVED_METRIC_NAMES:
-                raise ValueError(
+                raise EstimatorValueError(
                     f"metric_fn returned the reserved metric name {name!r}; the estimator "
                     "reports 'loss' and 'global_step' itself"
                 )
@@ -331,19 +331,19 @@ class MetricAccumulator:
 
 def _scalar_metric(name: str, value: Any, num_examples: int) -> metrics_lib.Metric:
     if isinstance(value, tuple) and len(value) == 2:
-        raise TypeError(
+        raise EstimatorTypeError(
             f"metric_fn returned {name!r} as a (value, update_op) pair; in JAX return a "
             "metrics.Metric (e.g. metrics.mean(values)) or a plain scalar"
         )
     try:
         arr = np.asarray(value, dtype=np.float64)
     except (TypeError, ValueError):
-        raise TypeError(
+        raise EstimatorTypeError(
             f"metric_fn returned {name!r} of type {type(value).__name__}; return a "
             "metrics.Metric or a scalar"
         ) from None
     if arr.size != 1:
-        raise TypeError(
+        raise EstimatorTypeError(
             f"metric_fn returned {name!r} of shape {arr.shape}; return a metrics.Metric or a scalar"
         )
     return metrics_lib.as_metric(arr.reshape(()), num_examples)

@@ -19,8 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from hooks import NanLossDuringTrainingError
-
+from ..errors import NanLossDuringTrainingError
 from ..io.variables import path_name
 
 _SHOWN = 4  # names listed in the error

@@ -6,6 +6,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
+from ..errors import EstimatorValueError
 from ..parallel import multihost
 from ..spec import ModeKeys
 from .evaluation import device_loops
@@ -16,10 +17,10 @@ def _select(predictions, keys: Sequence[str] | None):
     if keys is None:
         return predictions
     if not isinstance(predictions, Mapping):
-        raise ValueError("predict_keys can only be used when predictions is a dict")
+        raise EstimatorValueError("predict_keys can only be used when predictions is a dict")
     missing = [k for k in keys if k not in predictions]
     if missing:
-        raise ValueError(
+        raise EstimatorValueError(
             f"predict_keys {missing} not found in predictions; available: {sorted(predictions)}"
         )
     return {k: predictions[k] for k in keys}

@@ -12,11 +12,20 @@ import time
 
 import numpy as np
 
+import hooks
 from hooks import SessionRunArgs, SessionRunContext, SessionRunHook, SessionRunValues
 
 from .. import summary
+from ..errors import NanLossDuringTrainingError
 
 log = logging.getLogger("estimator")
+
+
+class NanLossHook(hooks.NanTensorHook):
+    """The default ``NanTensorHook``; raises ``estimator.NanLossDuringTrainingError`` (also a
+    ``hooks.NanLossDuringTrainingError``), so ``except estimator.EstimatorError`` catches it."""
+
+    error = NanLossDuringTrainingError
 
 
 class LossLoggingHook(SessionRunHook):

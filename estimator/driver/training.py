@@ -22,6 +22,7 @@ from ..config import RunConfig
 from ..data.inputs import Chunk, Prefetcher
 from ..engine.loops import TrainState
 from ..engine.state import fresh_train_state, restore_train_state, train_state_parts
+from ..errors import EstimatorTypeError, EstimatorValueError
 from ..io.checkpoint import Checkpoints, checked_input_pulls
 from ..io.lock import TrainerLock
 from ..io.store import LastState, StateStore
@@ -33,7 +34,7 @@ from .hook_runner import HookRunner, Session
 from .host import HOST_CALL_QUEUE_LOOPS, HostWorker, run_host_calls
 from .job import Job, TrainOutcome
 from .preemption import StopSignals
-from .train_hooks import LossLoggingHook, TrainSummaryHook
+from .train_hooks import LossLoggingHook, NanLossHook, TrainSummaryHook
 
 log = logging.getLogger("estimator")
 
@@ -147,7 +148,7 @@ def _default_hooks(config: RunConfig, given, *, writer, examples_per_step: int) 
         out.append(LossLoggingHook(every))
     own_nan = any(isinstance(h, hooks_lib.NanTensorHook) for h in given)
     if not (config.skip_nonfinite_steps or own_nan):
-        out.append(hooks_lib.NanTensorHook("loss"))
+        out.append(NanLossHook("loss"))
     if every:  # logs speed; the summaries come every save_summary_steps (TrainSummaries)
         out.append(hooks_lib.StepCounterHook(every_n_steps=every))
     return out
@@ -195,7 +196,7 @@ def _open_input(job: Job, input_fn, meta: dict, target_fn):
         if skip:
             log.warning("Input ended: nothing left to train after %d consumed batches.", skip)
             return None
-        raise ValueError("input_fn produced no training batches") from None
+        raise EstimatorValueError("input_fn produced no training batches") from None
     except BaseException:
         prefetch.close()
         raise
@@ -353,12 +354,12 @@ def _checked_listeners(listeners) -> list:
     if listeners is None:
         return []
     if not isinstance(listeners, (list, tuple)):
-        raise TypeError(
+        raise EstimatorTypeError(
             f"saving_listeners must be a list of CheckpointSaverListener, got {listeners!r}"
         )
     for listener in listeners:
         if not isinstance(listener, hooks_lib.CheckpointSaverListener):
-            raise TypeError(
+            raise EstimatorTypeError(
                 f"saving_listeners must be CheckpointSaverListener instances, given: {listener!r}"
             )
     return list(listeners)
@@ -368,7 +369,7 @@ def _check_loss_dtype(spec) -> None:
     """An integer loss has no gradient: training would silently never move."""
     dtype = getattr(spec.loss, "dtype", None)
     if dtype is not None and not jax.numpy.issubdtype(dtype, jax.numpy.floating):
-        raise TypeError(
+        raise EstimatorTypeError(
             f"loss must be a floating-point scalar to be differentiated, "
             f"got dtype {dtype}; cast it in model_fn"
         )

@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax
 
 from .. import context
+from ..errors import EstimatorTypeError, EstimatorValueError
 from ..parallel.mesh import DATA
 from ..parallel.replica_context import replica_scope
 from ..spec import ModeKeys, TPUEstimatorSpec, as_tpu_spec
@@ -35,7 +36,7 @@ def model_fn_args(model_fn: Callable) -> tuple[str, ...]:
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"model_fn is not inspectable: {e}") from None
+        raise EstimatorValueError(f"model_fn is not inspectable: {e}") from None
     names = []
     for p in sig.parameters.values():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
@@ -43,7 +44,7 @@ def model_fn_args(model_fn: Callable) -> tuple[str, ...]:
         if p.name == "self":
             continue
         if p.name not in _MODEL_FN_ARGS:
-            raise ValueError(
+            raise EstimatorValueError(
                 f"model_fn has an unexpected argument {p.name!r}; it may take only "
                 f"{', '.join(_MODEL_FN_ARGS)}"
             )
@@ -51,9 +52,9 @@ def model_fn_args(model_fn: Callable) -> tuple[str, ...]:
     if hasattr(model_fn, "keywords"):
         names = [n for n in names if n not in model_fn.keywords]
     if "features" not in names:
-        raise ValueError("model_fn must take a 'features' argument")
+        raise EstimatorValueError("model_fn must take a 'features' argument")
     if "params" not in names:
-        raise ValueError(
+        raise EstimatorValueError(
             "model_fn must take a 'params' argument: the estimator passes the per-replica "
             "batch size to it as params['batch_size']"
         )
@@ -68,10 +69,14 @@ def user_params(params: Any) -> dict:
         try:
             params = dict(params)
         except (TypeError, ValueError):
-            raise TypeError(f"params must be a dict, got {type(params).__name__}") from None
+            raise EstimatorTypeError(
+                f"params must be a dict, got {type(params).__name__}"
+            ) from None
     for key in RESERVED_PARAMS:
         if key in params:
-            raise ValueError(f"params[{key!r}] is reserved by the estimator; use another name")
+            raise EstimatorValueError(
+                f"params[{key!r}] is reserved by the estimator; use another name"
+            )
     return copy.deepcopy(params)
 
 
@@ -115,7 +120,7 @@ class ModelFn:
 
     def check_labels(self, has_labels: bool) -> None:
         if has_labels and "labels" not in self.arg_names:
-            raise ValueError(
+            raise EstimatorValueError(
                 "input_fn returned labels, but model_fn does not take a 'labels' argument"
             )
 

@@ -15,6 +15,7 @@ import jax
 from jax.sharding import Mesh
 
 from ..config import RunConfig
+from ..errors import EstimatorValueError
 from ..parallel import partitioning
 from ..spec import ModeKeys, TPUEstimatorSpec
 from .loops import SpecHolder, make_eval_loop, make_init, make_train_loop
@@ -78,7 +79,7 @@ class Programs:
     def infer(self, mode: str, batch_size: int) -> Callable:
         """The EVAL or PREDICT loop: ``loop(variables, step, rng, features, labels, mask)``."""
         if mode not in (ModeKeys.EVAL, ModeKeys.PREDICT):
-            raise ValueError(f"infer() runs EVAL or PREDICT, got mode {mode!r}")
+            raise EstimatorValueError(f"infer() runs EVAL or PREDICT, got mode {mode!r}")
         return self._get(
             (mode, batch_size),
             lambda: make_eval_loop(

@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..data.inputs import Chunk
-from ..errors import NoCheckpointError
+from ..errors import EstimatorValueError, NoCheckpointError
 from ..io import checkpoint as ckpt_lib
 from ..io.store import StateStore
 from ..parallel import partitioning, zero
@@ -48,7 +48,7 @@ def _trace(programs: Programs, mode: str, chunk: Chunk, fn, *args):
         if "labels" not in programs.model.arg_names:
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ValueError(
+        raise EstimatorValueError(
             f"model_fn failed in mode {mode!r} with labels=None ({type(e).__name__}: {first}). "
             "input_fn returned features only; return (features, labels) batches, or do not "
             f"use labels in mode {mode!r}"

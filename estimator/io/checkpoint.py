@@ -604,13 +604,13 @@ def resolve_path(checkpoint_path: str | None, model_dir: str) -> tuple[str, int 
     parsed = step_names.parse_step_path(path)
     if parsed is not None:
         if not os.path.isdir(path):
-            raise ValueError(f"checkpoint_path {checkpoint_path!r} does not exist")
+            raise EstimatorValueError(f"checkpoint_path {checkpoint_path!r} does not exist")
         return parsed
     if os.path.basename(path) == step_names.LEGACY_DIR:
         return os.path.dirname(path), None
     if step_names.has_checkpoints(path) or os.path.isdir(os.path.join(path, step_names.LEGACY_DIR)):
         return path, None
-    raise ValueError(
+    raise EstimatorValueError(
         f"checkpoint_path {checkpoint_path!r} is not a checkpoint: expected "
         "<model_dir>/model.ckpt-<step> or a model_dir"
     )

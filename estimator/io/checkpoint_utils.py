@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from ..errors import EstimatorValueError
 from .checkpoint import Checkpoints, read_variables, resolve_path
 from .step_names import has_checkpoints
 
@@ -107,7 +108,7 @@ def _resolve(ckpt_or_dir: str) -> tuple[Checkpoints, int]:
     if step is None:
         steps = ckpts.steps()
         if not steps:
-            raise ValueError(f"No checkpoint found in {ckpt_or_dir}")
+            raise EstimatorValueError(f"No checkpoint found in {ckpt_or_dir}")
         step = steps[-1]
     return ckpts, step
 
@@ -143,7 +144,7 @@ def load_variable(ckpt_or_dir: str, name: str) -> np.ndarray:
     variables = read_variables(str(ckpt_or_dir))
     if name not in variables:
         close = difflib.get_close_matches(name, list(variables), n=5, cutoff=0.5)
-        raise ValueError(
+        raise EstimatorValueError(
             f"Variable {name!r} not found in checkpoint {ckpt_or_dir}; similar: {close}"
         )
     return np.asarray(variables[name])

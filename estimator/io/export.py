@@ -57,6 +57,7 @@ from ..data.inputs import Chunk
 from ..engine.model import step_rngs
 from ..engine.programs import Programs
 from ..engine.state import restore_variables
+from ..errors import EstimatorTypeError, EstimatorValueError
 from ..parallel.mesh import DATA, single_device_mesh
 from ..parallel.outside_compilation import forbid_host_calls
 from ..runtime import seed_key_data
@@ -105,7 +106,7 @@ def _feature_specs(features: Any) -> Any:
     if isinstance(features, Mapping):
         for key, value in features.items():
             if not isinstance(key, str) or isinstance(value, Mapping):
-                raise TypeError(
+                raise EstimatorTypeError(
                     f"serving features must be a flat dict of str -> array spec; got key {key!r}"
                 )
         return {k: _spec(v, k) for k, v in features.items()}
@@ -117,12 +118,12 @@ def _spec(x: Any, name: str) -> jax.ShapeDtypeStruct:
         try:
             x = np.asarray(x)
         except Exception as e:  # noqa: BLE001
-            raise TypeError(f"serving feature {name!r} is not an array spec: {x!r}") from e
+            raise EstimatorTypeError(f"serving feature {name!r} is not an array spec: {x!r}") from e
     dtype = np.dtype(x.dtype)
     if dtype.kind in "OUSV":
-        raise TypeError(f"serving feature {name!r} has non-numeric dtype {dtype}")
+        raise EstimatorTypeError(f"serving feature {name!r} has non-numeric dtype {dtype}")
     if len(x.shape) == 0:
-        raise ValueError(
+        raise EstimatorValueError(
             f"serving feature {name!r} is a scalar; it needs a leading batch dimension"
         )
     return jax.ShapeDtypeStruct(tuple(x.shape), _CANONICAL.get(dtype, dtype))
@@ -176,7 +177,7 @@ def _predict_fn(programs: Programs, global_step: int, signatures: dict) -> Calla
         signatures.update(found)
         for name, value in outputs.items():
             if len(value.shape) == 0 or value.shape[0] != batch:
-                raise ValueError(
+                raise EstimatorValueError(
                     f"export output {name!r} has shape {tuple(value.shape)}; every output "
                     f"needs the batch dimension ({batch}) first"
                 )
@@ -378,7 +379,7 @@ def export_saved_model(
       RuntimeError: model_fn uses ``outside_compilation`` in PREDICT mode.
     """
     if not callable(serving_input_receiver_fn):
-        raise TypeError(
+        raise EstimatorTypeError(
             f"serving_input_receiver_fn must be callable, got {serving_input_receiver_fn!r}"
         )
     specs = _feature_specs(serving_input_receiver_fn())
@@ -401,7 +402,7 @@ class LoadedModel:
         self.path = path
         root = _portable_dir(path)
         if root is None:
-            raise ValueError(f"{path!r} is not an export directory (no {SIGNATURE_FILE})")
+            raise EstimatorValueError(f"{path!r} is not an export directory (no {SIGNATURE_FILE})")
         with open(os.path.join(root, SIGNATURE_FILE)) as f:
             self.signature = json.load(f)
         with open(os.path.join(root, COMPUTATION_FILE), "rb") as f:
@@ -428,15 +429,17 @@ class LoadedModel:
         if features is None:
             features = kwargs
         elif kwargs:
-            raise TypeError("pass the features either as one argument or as keywords, not both")
+            raise EstimatorTypeError(
+                "pass the features either as one argument or as keywords, not both"
+            )
         if self.signature["input_structure"] == "array":
             features = features.get(_SINGLE_INPUT) if isinstance(features, Mapping) else features
             return _conform(features, sig[_SINGLE_INPUT], _SINGLE_INPUT)
         if not isinstance(features, Mapping):
-            raise TypeError(f"features must be a dict with keys {sorted(sig)}")
+            raise EstimatorTypeError(f"features must be a dict with keys {sorted(sig)}")
         missing, extra = sorted(set(sig) - set(features)), sorted(set(features) - set(sig))
         if missing or extra:
-            raise ValueError(
+            raise EstimatorValueError(
                 f"features: missing {missing}, unexpected {extra}; the export takes {sorted(sig)}"
             )
         return {k: _conform(features[k], sig[k], k) for k in sig}
@@ -449,7 +452,7 @@ class LoadedModel:
             for k, v in (feats.items() if isinstance(feats, dict) else [(_SINGLE_INPUT, feats)])
         }
         if len(set(rows.values())) != 1:
-            raise ValueError(f"features have different batch sizes: {rows}")
+            raise EstimatorValueError(f"features have different batch sizes: {rows}")
         args = (feats,) if self._variables is None else (self._variables, feats)
         return {k: np.asarray(v) for k, v in self._call(*args).items()}
 
@@ -466,13 +469,15 @@ def _conform(x: Any, sig: dict, name: str) -> np.ndarray:
     arr = np.asarray(x)
     want = tuple(sig["shape"][1:])
     if arr.ndim != len(sig["shape"]) or arr.shape[1:] != want:
-        raise ValueError(
+        raise EstimatorValueError(
             f"feature {name!r} has shape {arr.shape}; the export takes "
             f"(batch, {', '.join(map(str, want))})"
         )
     dtype = jnp.dtype(sig["dtype"])
     if arr.dtype != dtype and not np.can_cast(arr.dtype, dtype, casting="same_kind"):
-        raise TypeError(f"feature {name!r} has dtype {arr.dtype}; the export takes {dtype}")
+        raise EstimatorTypeError(
+            f"feature {name!r} has dtype {arr.dtype}; the export takes {dtype}"
+        )
     return arr.astype(dtype, copy=False)
 
 
@@ -501,7 +506,7 @@ def load_saved_model(path: str) -> LoadedModel:
     if _portable_dir(path) is None:
         stamps = [int(d) for d in os.listdir(path) if d.isdigit()] if os.path.isdir(path) else []
         if not stamps:
-            raise ValueError(f"{path!r} is not an export directory (no {SIGNATURE_FILE})")
+            raise EstimatorValueError(f"{path!r} is not an export directory (no {SIGNATURE_FILE})")
         path = os.path.join(path, str(max(stamps)))
     return LoadedModel(path)
 

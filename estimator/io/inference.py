@@ -33,6 +33,8 @@ import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
+from ..errors import EstimatorRuntimeError, EstimatorTypeError, EstimatorValueError
+
 PyTree = Any
 
 
@@ -44,7 +46,7 @@ def _device(device_assignment: Any) -> jax.Device:
         return device_assignment
     if hasattr(device_assignment, "tpu_device"):
         return device_assignment.tpu_device(replica=0, logical_core=0)
-    raise TypeError(
+    raise EstimatorTypeError(
         "device_assignment must be None, a jax.Device or an estimator.DeviceAssignment, "
         f"got {type(device_assignment).__name__}"
     )
@@ -132,9 +134,11 @@ def rewrite_for_inference(
       >>> estimator.rewrite_for_inference(model.apply, [x], variables=variables)  # run now
     """
     if not callable(computation):
-        raise TypeError(f"computation must be callable, got {computation!r}")
+        raise EstimatorTypeError(f"computation must be callable, got {computation!r}")
     if inputs is not None and not isinstance(inputs, (list, tuple)):
-        raise TypeError(f"inputs must be a list of inputs or None, got {type(inputs).__name__}")
+        raise EstimatorTypeError(
+            f"inputs must be a list of inputs or None, got {type(inputs).__name__}"
+        )
     device = _device(device_assignment)
     label = name or getattr(computation, "__name__", None) or "inference"
     label = re.sub(r"\W", "_", str(label))
@@ -162,7 +166,7 @@ def _mlir_main_params(module: Any) -> list[str]:
             continue
         if str(op.attributes["sym_name"]).strip('"') == "main":
             return [str(a.type) for a in op.regions[0].blocks[0].arguments]
-    raise ValueError("the lowered program has no main function")
+    raise EstimatorValueError("the lowered program has no main function")
 
 
 def _hlo_entry_params(text: str) -> list[str]:
@@ -184,7 +188,7 @@ def _program_params(program: Any, inputs: Sequence[Any] | None) -> list[str]:
         return _hlo_entry_params(program.as_text())
     if callable(program):
         return _mlir_main_params(jax.jit(program).lower(*inputs).compiler_ir("stablehlo"))
-    raise TypeError(
+    raise EstimatorTypeError(
         "program must be an InferenceProgram, a jax.stages.Lowered or Compiled, a "
         f"jax.export.Exported, or a callable; got {type(program).__name__}"
     )
@@ -193,9 +197,11 @@ def _program_params(program: Any, inputs: Sequence[Any] | None) -> list[str]:
 def _inputs_for(program: Any, inputs: Sequence[Any] | None) -> list:
     if inputs is not None:
         if not isinstance(inputs, (list, tuple)):
-            raise TypeError(f"inputs must be a list of inputs, got {type(inputs).__name__}")
+            raise EstimatorTypeError(
+                f"inputs must be a list of inputs, got {type(inputs).__name__}"
+            )
         return list(inputs)
-    raise ValueError(
+    raise EstimatorValueError(
         f"validate_inference_rewrite_for_variables needs inputs=[...] (example arrays or "
         f"jax.ShapeDtypeStruct) to tell a {type(program).__name__}'s inputs from variables"
     )
@@ -232,7 +238,7 @@ def validate_inference_rewrite_for_variables(
     if len(params) > expected:
         extra = len(params) - expected
         shown = ", ".join(params[:8]) + (", ..." if len(params) > 8 else "")
-        raise RuntimeError(
+        raise EstimatorRuntimeError(
             f"Inference rewrite did not fold in the variables: the program takes {extra} "
             f"argument(s) beyond its {expected} input(s) (all arguments: {shown}). Build it "
             "with estimator.rewrite_for_inference(computation, variables=...)"

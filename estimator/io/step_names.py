@@ -22,12 +22,14 @@ from collections.abc import Iterator
 from etils import epath
 from orbax.checkpoint._src.path import step as step_lib
 
+from ..errors import EstimatorError
+
 PREFIX = "model.ckpt-"
 LEGACY_DIR = "checkpoints"  # the layout before: <model_dir>/checkpoints/<step>
 _STEP = re.compile(re.escape(PREFIX) + r"(0|[1-9]\d*)")
 
 
-class MissingStepError(FileNotFoundError, ValueError):
+class MissingStepError(EstimatorError, FileNotFoundError, ValueError):
     """A step directory that is not there (or not finished): Orbax's ``find_step`` contract
     raises ValueError; a FileNotFoundError too, so a step rotated away while a reader lists
     the steps reads as the file race it is."""

@@ -19,6 +19,8 @@ from typing import Any
 
 import jax
 
+from ..errors import EstimatorTypeError, EstimatorValueError
+
 PARAMS = "params"
 
 
@@ -104,7 +106,7 @@ def _patterns(patterns: str | Iterable[str] | None, what: str) -> list[re.Patter
     out = []
     for p in patterns:
         if not isinstance(p, str):
-            raise TypeError(f"name_mask {what} patterns must be str, got {p!r}")
+            raise EstimatorTypeError(f"name_mask {what} patterns must be str, got {p!r}")
         out.append(re.compile(re.sub(r":\d+$", "", p)))
     return out
 
@@ -116,7 +118,9 @@ def name_matcher(
     ``exclude`` pattern; patterns are regular expressions searched anywhere in the name."""
     inc, exc = _patterns(include, "include"), _patterns(exclude, "exclude")
     if include is not None and not inc:
-        raise ValueError("name_mask include patterns are empty; pass None to include every name")
+        raise EstimatorValueError(
+            "name_mask include patterns are empty; pass None to include every name"
+        )
 
     def matches(name: str) -> bool:
         if inc and not any(r.search(name) for r in inc):

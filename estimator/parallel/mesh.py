@@ -14,6 +14,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from ..errors import EstimatorValueError
+
 DATA = "data"
 MODEL = "model"
 
@@ -37,14 +39,16 @@ def make_mesh(
     devices = list(jax.devices() if devices is None else devices)
     cores = int(num_cores_per_replica or 1)
     if cores < 1:
-        raise ValueError(f"num_cores_per_replica must be >= 1, got {num_cores_per_replica}")
+        raise EstimatorValueError(
+            f"num_cores_per_replica must be >= 1, got {num_cores_per_replica}"
+        )
     if len(devices) % cores:
-        raise ValueError(
+        raise EstimatorValueError(
             f"num_cores_per_replica={cores} does not divide the {len(devices)} devices"
         )
     replicas = len(devices) // cores if num_replicas is None else int(num_replicas)
     if replicas < 1 or replicas * cores > len(devices):
-        raise ValueError(
+        raise EstimatorValueError(
             f"num_replicas={num_replicas} x num_cores_per_replica={cores} needs "
             f"{replicas * cores} devices, but {len(devices)} are available"
         )

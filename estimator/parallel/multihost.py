@@ -27,7 +27,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
-from ..errors import EstimatorRuntimeError
+from ..errors import EstimatorRuntimeError, EstimatorValueError
 from .mesh import DATA
 
 
@@ -52,18 +52,20 @@ def check_mesh(mesh: Mesh) -> None:
     owners = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
     present = set(owners.ravel().tolist())
     if present != set(range(jax.process_count())):
-        raise ValueError(
+        raise EstimatorValueError(
             f"the device mesh uses processes {sorted(present)} of {jax.process_count()}; in a "
             "many-process job every process must hold replicas (use_tpu=True)"
         )
     if any(len(set(row.tolist())) > 1 for row in owners):
-        raise ValueError(
+        raise EstimatorValueError(
             f"num_cores_per_replica={mesh.shape['model']} spans processes (each has "
             f"{jax.local_device_count()} devices); a replica must live on one process"
         )
     counts = np.bincount(owners[:, 0], minlength=jax.process_count())
     if len(set(counts.tolist())) != 1:
-        raise ValueError(f"processes hold different numbers of replicas: {counts.tolist()}")
+        raise EstimatorValueError(
+            f"processes hold different numbers of replicas: {counts.tolist()}"
+        )
 
 
 def local_replicas(mesh: Mesh) -> int:

@@ -59,6 +59,7 @@ from jax.experimental import io_callback
 from jax.sharding import PartitionSpec as P
 
 from .. import context
+from ..errors import EstimatorRuntimeError, EstimatorTypeError, EstimatorValueError
 from .mesh import DATA
 from .replica_context import get_replica_context, in_replicated_computation
 
@@ -116,9 +117,9 @@ def _struct(x: Any, where: str) -> jax.ShapeDtypeStruct:
     try:
         arr = np.asarray(x)
     except Exception as e:  # noqa: BLE001
-        raise TypeError(f"{where}: {x!r} is not an array or jax.ShapeDtypeStruct") from e
+        raise EstimatorTypeError(f"{where}: {x!r} is not an array or jax.ShapeDtypeStruct") from e
     if arr.dtype.kind in "OUSV":
-        raise TypeError(f"{where}: {x!r} is not a numeric array (dtype {arr.dtype})")
+        raise EstimatorTypeError(f"{where}: {x!r} is not a numeric array (dtype {arr.dtype})")
     return jax.ShapeDtypeStruct(arr.shape, jax.dtypes.canonicalize_dtype(arr.dtype))
 
 
@@ -177,7 +178,7 @@ def _dry_run(computation: Callable, rebuild: Callable, arrays: list) -> PyTree:
             out = computation(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - re-raised with what to do about it
         shapes = [f"{z.dtype}{list(z.shape)}" for z in zeros]
-        raise ValueError(
+        raise EstimatorValueError(
             f"outside_compilation could not infer the result shape of {_name(computation)}: "
             f"calling it once on zero arrays {shapes} raised {type(e).__name__}: {e}. Pass "
             "result_shape=... (a pytree of jax.ShapeDtypeStruct, or None when it returns "
@@ -196,7 +197,7 @@ def _to_host(expected: PyTree, name: str) -> Callable[[Any], list]:
     def convert(out: Any) -> list:
         got = jax.tree.structure(out)
         if got != treedef:
-            raise ValueError(
+            raise EstimatorValueError(
                 f"outside_compilation {name} returned a result of structure {got}, but "
                 f"result_shape declares {treedef}"
             )
@@ -204,7 +205,7 @@ def _to_host(expected: PyTree, name: str) -> Callable[[Any], list]:
         for i, (x, spec) in enumerate(zip(jax.tree.leaves(out), specs, strict=True)):
             arr = np.asarray(x)
             if arr.shape != tuple(spec.shape):
-                raise ValueError(
+                raise EstimatorValueError(
                     f"outside_compilation {name} returned shape {arr.shape} for result leaf "
                     f"{i}, but result_shape declares {tuple(spec.shape)}"
                 )
@@ -366,12 +367,14 @@ def outside_compilation(
       11.0
     """
     if not callable(computation):
-        raise TypeError(f"outside_compilation: computation must be callable, got {computation!r}")
+        raise EstimatorTypeError(
+            f"outside_compilation: computation must be callable, got {computation!r}"
+        )
     if not in_replicated_context():
         return computation(*args, **kwargs)
     forbidden = getattr(_LOCAL, "forbidden", None)
     if forbidden:
-        raise RuntimeError(f"outside_compilation({_name(computation)}) {forbidden}")
+        raise EstimatorRuntimeError(f"outside_compilation({_name(computation)}) {forbidden}")
     leaves, treedef = jax.tree.flatten((args, kwargs))
     is_array = [_is_array(x) for x in leaves]
     arrays = [jnp.asarray(x) for x, a in zip(leaves, is_array, strict=True) if a]

@@ -30,6 +30,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..errors import EstimatorValueError
 from .mesh import MODEL
 
 PyTree = Any
@@ -76,15 +77,15 @@ def partition_spec_from_dims(
         return P(batch_axis) if batch_axis else P()
     dims = [int(d) for d in partition_dimensions]
     if any(d < 1 for d in dims):
-        raise ValueError(f"partition dimensions must be positive, got {list(dims)}")
+        raise EstimatorValueError(f"partition dimensions must be positive, got {list(dims)}")
     split = [i for i, d in enumerate(dims) if d > 1]
     if len(split) > 1:
-        raise ValueError(
+        raise EstimatorValueError(
             f"partition dimensions {dims} split {len(split)} dimensions; the mesh has one "
             f"'{MODEL}' axis, so at most one dimension can be split"
         )
     if num_cores_per_replica is not None and math.prod(dims) != num_cores_per_replica:
-        raise ValueError(
+        raise EstimatorValueError(
             f"the product of partition dimensions {dims} is {math.prod(dims)}, but each "
             f"replica has num_cores_per_replica={num_cores_per_replica} logical devices"
         )
@@ -123,14 +124,14 @@ def split_to_logical_devices(
     """
     dims = list(partition_dimensions)
     if len(dims) != x.ndim:
-        raise ValueError(
+        raise EstimatorValueError(
             f"partition_dimensions {dims} has {len(dims)} entries for a tensor of rank "
             f"{x.ndim} (shape {tuple(x.shape)})"
         )
     spec = partition_spec_from_dims(dims, num_cores_per_replica=num_cores_per_replica)
     for size, d in zip(x.shape, dims, strict=True):
         if size % d:
-            raise ValueError(
+            raise EstimatorValueError(
                 f"tensor shape {tuple(x.shape)} is not divisible by partition dimensions {dims}"
             )
     if num_cores_per_replica == 1:
@@ -156,7 +157,7 @@ def assign_to_logical_device(
       ValueError: ``logical_device_id`` is not in ``[0, num_cores_per_replica)``.
     """
     if not 0 <= int(logical_device_id) < num_cores_per_replica:
-        raise ValueError(
+        raise EstimatorValueError(
             f"logical_device_id {logical_device_id} out of range: each replica has "
             f"{num_cores_per_replica} logical devices"
         )
@@ -181,7 +182,7 @@ def _spec_of(path: Any, leaf: Any, rules: dict[str, str | None]) -> P:
     value, names = leaf.value, tuple(leaf.names)
     ndim = len(getattr(value, "shape", ()))
     if len(names) != ndim:
-        raise ValueError(
+        raise EstimatorValueError(
             f"variable {jax.tree_util.keystr(path)} has partition names {names} for a value "
             f"of rank {ndim}"
         )
@@ -191,7 +192,7 @@ def _spec_of(path: Any, leaf: Any, rules: dict[str, str | None]) -> P:
         parts = name if isinstance(name, tuple) else (name,)
         axes = tuple(rules[n] for n in parts if n is not None and rules.get(n) is not None)
         if used.intersection(axes):
-            raise ValueError(
+            raise EstimatorValueError(
                 f"variable {jax.tree_util.keystr(path)}: partition names {names} map mesh "
                 f"axes {axes} to more than one dimension"
             )
@@ -239,12 +240,12 @@ def param_shardings(mesh: Mesh, variables: PyTree, *, rules: Rules | None = None
             axes = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
             missing = [a for a in axes if a not in mesh.shape]
             if missing:
-                raise ValueError(
+                raise EstimatorValueError(
                     f"variable {jax.tree_util.keystr(path)}: mesh has no axis {missing[0]!r}"
                 )
             split = math.prod(mesh.shape[a] for a in axes)
             if size % split:
-                raise ValueError(
+                raise EstimatorValueError(
                     f"variable {jax.tree_util.keystr(path)} of shape {shape} cannot be "
                     f"sharded {spec}: {size} is not divisible by {split}"
                 )

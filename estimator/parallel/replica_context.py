@@ -35,6 +35,7 @@ from typing import Any
 import jax
 from jax import lax
 
+from ..errors import EstimatorValueError
 from .mesh import DATA
 
 PyTree = Any
@@ -60,7 +61,7 @@ class ReduceOp(enum.Enum):
             return op
         if isinstance(op, str) and op.upper() in cls.__members__:
             return cls[op.upper()]
-        raise ValueError(f"reduce op must be ReduceOp.SUM or ReduceOp.MEAN, got {op!r}")
+        raise EstimatorValueError(f"reduce op must be ReduceOp.SUM or ReduceOp.MEAN, got {op!r}")
 
 
 def is_varying(x: Any, axis_name: str) -> bool:
@@ -94,9 +95,11 @@ class ReplicaContext:
         strategy: Any = None,
     ) -> None:
         if num_replicas_in_sync < 1:
-            raise ValueError(f"num_replicas_in_sync must be >= 1, got {num_replicas_in_sync}")
+            raise EstimatorValueError(
+                f"num_replicas_in_sync must be >= 1, got {num_replicas_in_sync}"
+            )
         if axis_name is None and num_replicas_in_sync != 1:
-            raise ValueError(
+            raise EstimatorValueError(
                 f"a context of {num_replicas_in_sync} replicas needs the mesh axis_name "
                 "its replicas are laid out on"
             )

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from ..errors import EstimatorTypeError, EstimatorValueError
 from ..parallel.mesh import DATA, MODEL, make_mesh
 
 
@@ -34,7 +35,7 @@ def _topology_devices(topology: Any) -> list[jax.Device]:
     except TypeError:
         flat = []
     if not flat or not all(isinstance(d, jax.Device) for d in flat):
-        raise TypeError(
+        raise EstimatorTypeError(
             "topology must be None, a sequence of jax devices, or an object with a "
             f"`devices` attribute holding them; got {topology!r}"
         )
@@ -47,7 +48,7 @@ def _cores_per_replica(computation_shape: int | Sequence[int] | None) -> int:
         return 1
     dims = [computation_shape] if np.ndim(computation_shape) == 0 else list(computation_shape)
     if not dims or any(int(d) != d or d < 1 for d in dims):
-        raise ValueError(
+        raise EstimatorValueError(
             f"computation_shape must be a positive int or a sequence of them, got "
             f"{computation_shape!r}"
         )
@@ -101,7 +102,7 @@ class DeviceAssignment:
     def from_mesh(cls, mesh: Mesh) -> DeviceAssignment:
         """Wraps an existing ``("data", "model")`` mesh."""
         if tuple(mesh.axis_names) != (DATA, MODEL):
-            raise ValueError(f"mesh axes must be {(DATA, MODEL)}, got {mesh.axis_names}")
+            raise EstimatorValueError(f"mesh axes must be {(DATA, MODEL)}, got {mesh.axis_names}")
         return cls(mesh)
 
     @property
@@ -122,9 +123,9 @@ class DeviceAssignment:
     def tpu_device(self, replica: int = 0, logical_core: int = 0) -> jax.Device:
         """The device running ``logical_core`` of ``replica`` (TF's ``tpu_device``)."""
         if not 0 <= replica < self.num_replicas:
-            raise ValueError(f"replica {replica} out of range [0, {self.num_replicas})")
+            raise EstimatorValueError(f"replica {replica} out of range [0, {self.num_replicas})")
         if not 0 <= logical_core < self.num_cores_per_replica:
-            raise ValueError(
+            raise EstimatorValueError(
                 f"logical_core {logical_core} out of range [0, {self.num_cores_per_replica})"
             )
         return self.mesh.devices[replica, logical_core]

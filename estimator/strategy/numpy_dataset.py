@@ -19,6 +19,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..errors import EstimatorValueError
+
 
 class NumpyDataset:
     """A re-iterable dataset over numpy data (``make`` builds each iteration afresh)."""
@@ -36,10 +38,12 @@ class NumpyDataset:
         leaves, treedef = jax.tree.flatten(data)
         arrays = [np.asarray(x) for x in leaves]
         if not arrays or any(a.ndim == 0 for a in arrays):
-            raise ValueError("experimental_make_numpy_dataset needs arrays with a first dimension")
+            raise EstimatorValueError(
+                "experimental_make_numpy_dataset needs arrays with a first dimension"
+            )
         sizes = {a.shape[0] for a in arrays}
         if len(sizes) != 1:
-            raise ValueError(
+            raise EstimatorValueError(
                 f"experimental_make_numpy_dataset: arrays have different first dimensions {sizes}"
             )
         n = sizes.pop()
@@ -57,7 +61,7 @@ class NumpyDataset:
         """Stacks consecutive examples into batches of ``batch_size`` (the last may be short
         unless ``drop_remainder``)."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+            raise EstimatorValueError(f"batch_size must be a positive int, got {batch_size!r}")
 
         def make():
             rows = []

@@ -12,6 +12,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..errors import EstimatorValueError
+
 
 @jax.tree_util.register_pytree_node_class
 class PerReplica:
@@ -52,7 +54,7 @@ class PerReplica:
             return self._stacked
         shapes = {tuple(np.shape(v)) for v in self._values}
         if len(shapes) > 1:
-            raise ValueError(f"per-replica values have different shapes {sorted(shapes)}")
+            raise EstimatorValueError(f"per-replica values have different shapes {sorted(shapes)}")
         return np.stack([np.asarray(v) for v in self._values])
 
     @property

@@ -59,6 +59,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..errors import EstimatorTypeError, EstimatorValueError
 from ..input_context import InputContext
 from ..parallel import partitioning
 from ..parallel.mesh import DATA
@@ -210,7 +211,7 @@ class TPUStrategy:
             compiled = self._cache.get(key)
         except TypeError as e:
             bad = [k[1] for k in kinds if isinstance(k, tuple) and not _hashable(k[1])]
-            raise TypeError(
+            raise EstimatorTypeError(
                 f"non-array arguments of run are compile-time constants and must be "
                 f"hashable; got {bad[0]!r:.80}"
             ) from e
@@ -260,18 +261,18 @@ class TPUStrategy:
         if not value.is_stacked:
             local = len(self._assignment.lookup_replicas())
             if len(value) != local:
-                raise ValueError(
+                raise EstimatorValueError(
                     f"a PerReplica of {len(value)} values was given to a strategy with "
                     f"{local} local replicas"
                 )
             value = self._from_per_replica_values(list(value.values), what="a PerReplica")
             if not value.is_stacked:
-                raise ValueError(
+                raise EstimatorValueError(
                     "a PerReplica whose values have different shapes cannot be passed to run"
                 )
         x = value.stacked
         if np.ndim(x) == 0 or x.shape[0] != self.num_replicas_in_sync:
-            raise ValueError(
+            raise EstimatorValueError(
                 f"a PerReplica of {len(value)} replicas was given to a strategy with "
                 f"{self.num_replicas_in_sync} replicas"
             )
@@ -322,7 +323,7 @@ class TPUStrategy:
         if not isinstance(value, PerReplica):
             if axis is None:
                 if op is ReduceOp.SUM and n > 1:
-                    raise ValueError(
+                    raise EstimatorValueError(
                         f"a non-distributed value cannot be reduced with SUM over {n} replicas "
                         "(it is the same on every replica); pass a PerReplica or use MEAN"
                     )
@@ -339,7 +340,7 @@ class TPUStrategy:
         parts = [jnp.asarray(v) for v in value.values]
         if axis is None:
             if len({v.shape for v in parts}) > 1:
-                raise ValueError(
+                raise EstimatorValueError(
                     "per-replica values of different shapes "
                     f"{[v.shape for v in parts]} can only be reduced along an axis"
                 )
@@ -465,7 +466,7 @@ class TPUStrategy:
         def split(path: Any, leaf: Any) -> PerReplica:
             x = np.asarray(leaf)
             if x.ndim == 0 or x.shape[0] % n:
-                raise ValueError(
+                raise EstimatorValueError(
                     f"batch element {jax.tree_util.keystr(path) or '<root>'} has shape "
                     f"{x.shape}: its leading (batch) dimension must be divisible by "
                     f"num_replicas_in_sync={n}"
@@ -499,7 +500,7 @@ class TPUStrategy:
         flat = []
         for i, v in enumerate(values):
             if jax.tree.structure(v) != treedef:
-                raise ValueError(
+                raise EstimatorValueError(
                     f"{what}: replica {i}'s value has structure {jax.tree.structure(v)}, "
                     f"replica 0's has {treedef}"
                 )
@@ -565,7 +566,9 @@ def _hashable(x: Any) -> bool:
 
 def _normalize_axis(axis: int, ndim: int) -> int:
     if not -ndim <= axis < ndim:
-        raise ValueError(f"axis {axis} is out of range for per-replica values of rank {ndim}")
+        raise EstimatorValueError(
+            f"axis {axis} is out of range for per-replica values of rank {ndim}"
+        )
     return axis % ndim
 
 

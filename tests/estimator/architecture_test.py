@@ -147,3 +147,46 @@ def test_only_the_facade_touches_the_estimators_private_members():
             if re.search(r"\b(est|estimator)\._[a-z]", line) and "estimator._compat" not in line:
                 offenders.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
     assert offenders == []
+
+
+_BUILTIN_RAISES = ("ValueError", "TypeError", "RuntimeError", "KeyError", "IndexError")
+
+
+def test_deliberate_errors_are_estimator_errors():
+    """No bare built-in error is raised in estimator/: each is an ``EstimatorError`` that
+    keeps its built-in base (so ``except ValueError`` still works)."""
+    offenders = []
+    for path in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
+                name = getattr(node.exc.func, "id", None)
+                if name in _BUILTIN_RAISES:
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: raise {name}")
+    assert offenders == []
+
+
+def test_every_error_class_derives_from_estimator_error():
+    import importlib
+    import inspect
+
+    import estimator
+
+    # Control flow, not errors: Preempted is a SystemExit (the process should end).
+    allowed = {"Preempted"}
+    found, bad = [], []
+    for path in PKG.rglob("*.py"):
+        name = _module_name(path)
+        if name.endswith("__main__"):
+            continue
+        module = importlib.import_module(name)
+        for cls_name, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ != name or not issubclass(cls, BaseException):
+                continue
+            found.append(cls_name)
+            if cls_name not in allowed and not issubclass(cls, estimator.EstimatorError):
+                bad.append(f"{name}.{cls_name}")
+    assert "NoCheckpointError" in found and bad == []
+    assert issubclass(estimator.NoCheckpointError, ValueError)
+    assert issubclass(
+        estimator.NanLossDuringTrainingError, __import__("hooks").NanLossDuringTrainingError
+    )
