@@ -180,7 +180,8 @@ def test_sigkill_at_random_points_resumes_bitwise(tmp_path):
         if kind == "saving" and killed:
             step = _saving_step(line)
             mid_write = str(step) not in _steps(model_dir) and any(
-                t.startswith(f"{step}.orbax-checkpoint-tmp") for t in _tmp_dirs(model_dir)
+                t.startswith(f"model.ckpt-{step}.orbax-checkpoint-tmp")
+                for t in _tmp_dirs(model_dir)
             )
             if not mid_write and retries:  # the write won the race: try at the next save
                 retries -= 1
