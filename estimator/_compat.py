@@ -72,3 +72,22 @@ def absl_warning_dropped(prefix: str) -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(keep)
+
+
+def standard_handler_with_array_handler(array_handler: Any) -> Any:
+    """An Orbax ``StandardCheckpointHandler`` that saves ``jax.Array`` with ``array_handler``
+    and every other type as Orbax does by default, without touching Orbax's process-wide
+    type-handler registry (Orbax gives a StandardCheckpointHandler no registry argument)."""
+    import jax
+    import orbax.checkpoint as ocp
+    from orbax.checkpoint._src.handlers import pytree_checkpoint_handler
+    from orbax.checkpoint._src.serialization import type_handler_registry
+
+    registry = type_handler_registry.create_type_handler_registry(
+        *type_handler_registry._DEFAULT_TYPE_HANDLERS, (jax.Array, array_handler)
+    )
+    handler = ocp.StandardCheckpointHandler()
+    handler._impl = pytree_checkpoint_handler.PyTreeCheckpointHandler(
+        type_handler_registry=registry
+    )
+    return handler
