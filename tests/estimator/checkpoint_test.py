@@ -44,9 +44,7 @@ def trained(tmp_path_factory):
     x, y = h.make_data()
     base = tmp_path_factory.mktemp("base")
     _est(base).train(h.train_input_fn(x, y), max_steps=6)
-    at4 = _est(base).evaluate(
-        h.eval_input_fn(x, y), checkpoint_path=str(base / "model.ckpt-4")
-    )
+    at4 = _est(base).evaluate(h.eval_input_fn(x, y), checkpoint_path=str(base / "model.ckpt-4"))
     ref = tmp_path_factory.mktemp("reference")
     reference = _est(ref)
     reference.train(h.train_input_fn(x, y), max_steps=8)
