@@ -202,7 +202,9 @@ def _run_ours(cache_dir: str | None, quick: bool) -> dict:
     """Our job in a fresh process on one CPU device, as TensorFlow runs it (no simulated
     devices: an empty ``XLA_FLAGS`` keeps ``benchmarks`` from adding them)."""
     flags = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags)
+    # XLA reads a non-empty value that is only spaces as a file name and aborts.
+    kept = re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags).split()
+    os.environ["XLA_FLAGS"] = " ".join(kept)
     try:
         start = time.time()
         out = C.run_probe(__spec__.name, cache_dir or "-", ["--quick"] if quick else [])
