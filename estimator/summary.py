@@ -51,6 +51,8 @@ from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto import event_pb2
 from tensorboardX.summary import scalar as scalar_summary
 
+from hooks.timer import SecondOrStepTimer
+
 from .errors import EstimatorRuntimeError, EstimatorValueError
 
 _LOCAL = threading.local()
@@ -371,7 +373,9 @@ class TrainSummaries:
         self.every = every or 0
         self.examples_per_step = examples_per_step
         self._clock = clock
-        self._last: tuple[int, float] | None = None  # (step, time) of the last report
+        # The speed since the last report, measured as StepCounterHook measures it.
+        self._meter = SecondOrStepTimer(every_steps=1, clock=clock)
+        self._started = False
 
     def after_loop(
         self, losses: np.ndarray, steps: np.ndarray, nonfinite: int | None = None
@@ -387,20 +391,20 @@ class TrainSummaries:
             if nonfinite is not None:
                 self.writer.add_scalar("nonfinite_steps", nonfinite, global_step=step)
         end = int(steps[-1])
-        if self._last is None:
-            self._last = (end, now)
+        if not self._started:  # the first loop only starts the clock (compilation not counted)
+            self._meter.update_last_triggered_step(end, now)
+            self._started = True
             return
-        if due:
+        if due and self._meter.should_trigger_for_step(end, now):
             self._speed(end, now)
 
     def _speed(self, step: int, now: float) -> None:
-        last_step, last_time = self._last
-        if now <= last_time or step <= last_step:
+        secs, steps = self._meter.update_last_triggered_step(step, now)
+        if not secs or secs <= 0 or not steps:
             return
-        steps_per_sec = (step - last_step) / (now - last_time)
+        steps_per_sec = steps / secs
         self.writer.add_scalar("global_step/sec", steps_per_sec, global_step=step)
         if self.examples_per_step:
             self.writer.add_scalar(
                 "examples/sec", steps_per_sec * self.examples_per_step, global_step=step
             )
-        self._last = (step, now)
