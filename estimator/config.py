@@ -46,7 +46,8 @@ class TPUConfig:
     """Device-loop settings (TF's ``tf.estimator.tpu.TPUConfig``).
 
     Args:
-      iterations_per_loop: training steps per compiled device call.
+      iterations_per_loop: steps per device loop: hooks, host_call delivery, logging and
+        checkpoints happen once per loop.
       num_shards: replica count; when given it must equal the number the devices provide.
       num_cores_per_replica: devices per replica (model parallelism over the ``"model"`` axis).
       per_host_input_for_training: an ``InputPipelineConfig`` (``True`` means PER_HOST_V1,
@@ -61,6 +62,9 @@ class TPUConfig:
         replicated between steps. See docs/sharding.md.
       shard_params: keep the parameters split over the replicas too, gathered for each step's
         forward and backward pass (ZeRO-3 / FSDP); implies ``shard_optimizer_state``.
+      max_staged_input_bytes: the input bytes, per device, one compiled call may hold. A
+        loop whose input is larger runs as several calls back to back (the same results),
+        so device memory does not grow with ``iterations_per_loop``. Default 256 MiB.
     """
 
     iterations_per_loop: int = 2
@@ -72,9 +76,11 @@ class TPUConfig:
     unroll_loops: bool | None = False
     shard_optimizer_state: bool = False
     shard_params: bool = False
+    max_staged_input_bytes: int = 256 * 2**20
 
     def __post_init__(self):
         _positive_int("iterations_per_loop", self.iterations_per_loop, allow_none=False)
+        _positive_int("max_staged_input_bytes", self.max_staged_input_bytes, allow_none=False)
         _positive_int("num_shards", self.num_shards)
         _positive_int("num_cores_per_replica", self.num_cores_per_replica)
         _positive_int("host_call_every_n_steps", self.host_call_every_n_steps, allow_none=False)

@@ -13,8 +13,9 @@ from ..config import RunConfig
 from ..engine.model import user_params
 from ..input_context import InputContext
 from ..tpu_context import input_fn_context
-from .inputs import Pipeline, Prefetcher, call_input_fn, read_chunk
+from .inputs import Pipeline, Prefetcher, call_input_fn
 from .layout import BatchLayout
+from .staging import stream_calls
 from .synced import synced
 
 log = logging.getLogger("estimator")
@@ -31,7 +32,7 @@ class Feeder:
 
     Example:
       >>> pipe = feeder.pipeline(input_fn, ModeKeys.EVAL, pad=True)
-      >>> chunks = feeder.prefetch(pipe, lambda: 4, fill=True)   # 4 steps per chunk
+      >>> chunks = feeder.prefetch(pipe, lambda: 4, fill=True)   # loops of 4 steps
     """
 
     def __init__(self, layouts: dict[str, BatchLayout], params: dict, config: RunConfig, mesh):
@@ -78,17 +79,26 @@ class Feeder:
         skip: int = 0,
         interrupt: threading.Event | None = None,
     ):
-        """Chunks of ``schedule()`` steps each, read ahead on a thread and agreed across
-        processes; ``skip`` batches already consumed are passed over first. Once
-        ``interrupt`` is set, a wait for the next chunk ends as the end of the input."""
-
-        def produce():
-            if skip and pipe.pulled == 0:
-                done = pipe.skip(skip)
-                if done < skip:
-                    log.warning("Input ended while skipping %d consumed batches.", skip)
-            n = schedule()
-            return read_chunk(pipe, n, fill=fill, mesh=self.mesh) if n > 0 else None
-
-        prefetcher = Prefetcher(produce, interrupt=interrupt)
+        """The chunks of every compiled call, staged ahead on a thread and agreed across
+        processes. ``schedule()`` gives each loop's steps (<= 0 ends); ``fill`` (eval and
+        predict) runs a loop the input ends inside as calls of power-of-two lengths;
+        ``skip`` batches already consumed are passed over first. Once ``interrupt`` is set,
+        a wait for the next chunk ends as the end of the input."""
+        tpu = self.config.tpu_config
+        chunks = stream_calls(
+            pipe,
+            mesh=self.mesh,
+            next_loop=schedule,
+            iterations_per_loop=tpu.iterations_per_loop,
+            budget=tpu.max_staged_input_bytes,
+            exact_tail=not fill,
+            fill=fill,
+            skip=skip,
+            on_skip_short=lambda n: log.warning(
+                "Input ended while skipping %d consumed batches.", n
+            ),
+        )
+        # One call staged ahead: with two running or queued and one being transferred, at
+        # most four calls' input are on a device at once.
+        prefetcher = Prefetcher(chunks, depth=1, interrupt=interrupt)
         return synced(prefetcher, pipe, fill=fill, mesh=self.mesh)

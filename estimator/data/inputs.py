@@ -1,9 +1,9 @@
-"""From input_fn to device arrays: calling, checking, stacking, padding and prefetching.
+"""From input_fn to global batches: calling, checking, padding and prefetching.
 
 The data path is one line: ``input_fn`` -> host batches -> global batch per step (per the
-``InputPipelineConfig``) -> ``n`` steps stacked ``[n, global_batch, ...]``, padded and masked
--> device arrays sharded over ``"data"``. A background thread does all of it for the next
-loop while the current one runs; at most ``depth`` loops wait in its queue.
+``InputPipelineConfig``), written with its row mask straight into a call's ``[n, rows, ...]``
+buffer (``staging``) -> device arrays sharded over ``"data"``. A pooled background thread
+does it for the next compiled call while the current one runs.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 from ..errors import EstimatorTypeError, EstimatorValueError
 from ..input_context import InputContext
 from ..parallel import multihost
+from . import threads
 from .layout import BatchLayout
 
 log = logging.getLogger("estimator")
@@ -251,17 +252,8 @@ def _batch_rows(leaves: list, names: list[str], rows: int) -> int:
     )
 
 
-def _pad(leaves: list, rows: int) -> list:
-    return [
-        x
-        if x.shape[0] == rows
-        else np.concatenate([x, np.zeros((rows - x.shape[0], *x.shape[1:]), x.dtype)])
-        for x in leaves
-    ]
-
-
 class Chunk(NamedTuple):
-    """One loop's worth of input on the devices, plus what the host needs to know of it."""
+    """One compiled call's input on the devices, plus what the host needs to know of it."""
 
     features: Any
     labels: Any
@@ -270,6 +262,8 @@ class Chunk(NamedTuple):
     steps: int  # real steps (batches with at least one real row)
     pulls: int  # batches taken from the input iterator
     input_state: Any = None  # the iterator's encoded get_state() right after these pulls
+    ends_loop: bool = True  # the last call of its loop of iterations_per_loop steps
+    loop_steps: int = 0  # the planned steps of that loop
 
 
 class Pipeline:
@@ -296,13 +290,31 @@ class Pipeline:
         self.sig: Signature | None = None
         self.has_labels: bool | None = None
         self.exhausted = False
-        self.pulled = 0
+        self.pulled = 0  # batches taken from the iterator
+        self.consumed = 0  # batches handed to steps (``prime`` holds the first one back)
+        self._ahead: tuple[list, int] | None = None
         self.stateful = all(
             callable(getattr(iterator, m, None)) for m in ("get_state", "set_state")
         )
         self.positioned = False  # moved past earlier batches (skip or set_state)
         self.global_step = 0  # of the last step read; the trainer sets where it starts
         self.short_skipped = 0
+
+    @property
+    def rows_per_step(self) -> int:
+        """Rows of one step's batch on this process (every replica's copy in BROADCAST)."""
+        return self.rows_per_pull * self.pulls_per_step * self.layout.copies
+
+    def step_bytes(self) -> int:
+        """Bytes of one step's input on one device: a replica's rows of every entry and of
+        the float32 mask. Known once a batch was read (``prime``); 0 before."""
+        if self.sig is None:
+            return 0
+        row = sum(
+            int(np.prod(s, dtype=np.int64)) * d.itemsize
+            for s, d in zip(self.sig.shapes, self.sig.dtypes)
+        )
+        return -(-self.rows_per_step // self.layout.local_replicas) * (row + 4)
 
     def get_state(self) -> Any:
         """The iterator's position as JSON (see ``encode_state``); None if it has none."""
@@ -354,70 +366,79 @@ class Pipeline:
                 step,
             )
 
+    def _take(self) -> tuple[list, int] | None:
+        got, self._ahead = self._ahead, None
+        if got is None:
+            got = self._pull()
+        if got is not None:
+            self.consumed += 1
+        return got
+
+    def prime(self) -> bool:
+        """Reads the first batch ahead, so ``sig`` and ``step_bytes`` are known before any
+        step is staged; False when the input has none. The first step still gets it."""
+        if self.sig is None and self._ahead is None and not self.exhausted:
+            self._ahead = self._pull()
+        return self.sig is not None
+
     def skip(self, pulls: int) -> int:
         """Fast-forwards ``pulls`` batches; returns how many were really there."""
         done = 0
         while done < pulls and not self.exhausted:
-            if self._pull() is None:
+            if self._take() is None:
                 break
             done += 1
         self.positioned = self.positioned or done > 0
         return done
 
-    def next_step(self) -> tuple[list, np.ndarray] | None:
-        """One step's global batch leaves (padded) and its row mask, or None at the end."""
-        parts, masks = [], []
-        while len(parts) < self.pulls_per_step:
-            got = self._pull()
+    def write_step(self, out: list[np.ndarray], mask: np.ndarray, i: int) -> bool:
+        """Writes the next step's global batch into ``out[j][i]`` (one array per entry) and
+        its row mask into ``mask[i]``, padding rows zeroed; False at the end of the input.
+
+        In training a short batch is skipped and counted (an error when it is the first).
+        """
+        rows, pulls = self.rows_per_pull, self.pulls_per_step
+        p = 0
+        while p < pulls:
+            lo = p * rows
+            got = self._take()
             if got is None:
+                if p == 0:
+                    return False
+                for buf in out:  # a partial step in PER_HOST_V2: the other replicas pad
+                    buf[i, lo : pulls * rows] = 0
+                mask[i, lo : pulls * rows] = False
                 break
             leaves, n = got
-            if n < self.rows_per_pull and not self.pad and not self.positioned and self.pulled == 1:
-                raise EstimatorValueError(
-                    f"the first training batch has {n} rows, expected params['batch_size'] = "
-                    f"{self.rows_per_pull} (entry {self.sig.paths[0]}); input_fn must batch "
-                    "with the batch size it is given"
-                )
-            if n < self.rows_per_pull and not self.pad:
+            if n < rows and not self.pad:
+                if not self.positioned and self.consumed == 1:
+                    raise EstimatorValueError(
+                        f"the first training batch has {n} rows, expected params['batch_size'] "
+                        f"= {rows} (entry {self.sig.paths[0]}); input_fn must batch with the "
+                        "batch size it is given"
+                    )
                 self._skip_short(n)
                 continue
-            parts.append(_pad(leaves, self.rows_per_pull))
-            masks.append(np.arange(self.rows_per_pull) < n)
-        if not parts or not any(m.any() for m in masks):
-            return None
+            for buf, x in zip(out, leaves):
+                buf[i, lo : lo + n] = x
+                buf[i, lo + n : lo + rows] = 0
+            mask[i, lo : lo + rows] = np.arange(rows) < n
+            p += 1
+        if not mask[i, : pulls * rows].any():
+            return False
         self.global_step += 1
-        while len(parts) < self.pulls_per_step:  # a partial step in PER_HOST_V2: pad replicas
-            parts.append([np.zeros_like(x) for x in parts[0]])
-            masks.append(np.zeros(self.rows_per_pull, bool))
-        leaves = [np.concatenate(xs) for xs in zip(*parts)]
-        mask = np.concatenate(masks)
-        if self.layout.copies > 1:  # BROADCAST: every replica gets the whole batch
-            leaves = [np.concatenate([x] * self.layout.copies) for x in leaves]
-            mask = np.concatenate([mask] * self.layout.copies)
-        return leaves, mask
+        copies = self.layout.copies
+        if copies > 1:  # BROADCAST: every replica gets the whole batch
+            width = pulls * rows
+            for buf in [*out, mask]:
+                step = buf[i]
+                step[width:] = np.tile(step[:width], (copies - 1,) + (1,) * (step.ndim - 1))
+        return True
 
     def empty_step(self) -> tuple[list, np.ndarray]:
         rows = self.rows_per_pull * self.pulls_per_step * self.layout.copies
         leaves = [np.zeros((rows, *s), d) for s, d in zip(self.sig.shapes, self.sig.dtypes)]
         return leaves, np.zeros(rows, bool)
-
-
-def read_chunk(pipe: Pipeline, n: int, *, fill: bool, mesh: Mesh) -> Chunk | None:
-    """Reads up to ``n`` steps; ``fill`` pads a short final loop with empty steps."""
-    start = pipe.pulled
-    steps = []
-    while len(steps) < n:
-        step = pipe.next_step()
-        if step is None:
-            break
-        steps.append(step)
-    if not steps:
-        return None
-    real = len(steps)
-    if fill:
-        steps += [pipe.empty_step() for _ in range(n - real)]
-    features, labels, mask, host_mask = stack_steps(pipe, steps, mesh)
-    return Chunk(features, labels, mask, host_mask, real, pipe.pulled - start, pipe.get_state())
 
 
 def stack_steps(pipe: Pipeline, steps: list, mesh: Mesh) -> tuple:
@@ -436,27 +457,28 @@ _DONE = object()
 
 
 class Prefetcher:
-    """Runs ``produce()`` on a background thread, at most ``depth`` results ahead.
+    """Runs ``items`` (an iterator) on a pooled background thread, at most ``depth`` ahead.
 
     Errors raised by the producer (input_fn included) are raised in the consumer's thread with
-    their original traceback. ``close()`` stops the thread early.
+    their original traceback. Once ``interrupt`` is set, a wait for the next item ends as the
+    end of the input. ``close()`` stops the producer early and drops what it staged; the
+    thread goes back to the pool (``threads``), so repeated calls start no new threads.
     """
 
     def __init__(
         self,
-        produce: Callable[[], Any],
+        items: Iterator,
         *,
-        depth: int = 2,
+        depth: int = 1,
         interrupt: threading.Event | None = None,
     ):
-        self._produce = produce
+        self._items = items
         self.interrupt = interrupt  # once set, a wait for the next item ends as the end
         self.interrupted = False
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._finished = False
-        self._thread = threading.Thread(target=self._run, name="input-prefetch", daemon=True)
-        self._thread.start()
+        self._done = threads.run_in_thread(self._run, name="input-prefetch")
 
     def _put(self, item) -> bool:
         while not self._stop.is_set():
@@ -469,15 +491,14 @@ class Prefetcher:
 
     def _run(self):
         try:
-            while not self._stop.is_set():
-                item = self._produce()
-                if item is None:
-                    break
+            for item in self._items:
                 if not self._put(item):
                     return
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
             self._put(e)
             return
+        finally:
+            self._items = None  # the generator and its buffers go with this task
         self._put(_DONE)
 
     def __iter__(self):
@@ -491,6 +512,7 @@ class Prefetcher:
             self._finished = True
             raise StopIteration
         if isinstance(item, BaseException):
+            self._finished = True
             raise item
         return item
 
@@ -505,7 +527,13 @@ class Prefetcher:
                     return _DONE
 
     def close(self):
-        """Stops the thread; waits for it a little (not for an input stuck in a wait)."""
+        """Stops the producer and drops what it staged; waits for it a little (not for an
+        input stuck in a wait)."""
         self._stop.set()
+        while True:  # unblock a producer waiting on a full queue
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
         stopping = self.interrupt is not None and self.interrupt.is_set()
-        self._thread.join(timeout=0.5 if stopping else 10)
+        self._done.wait(timeout=0.5 if stopping else 10)

@@ -18,8 +18,9 @@ class SyncedChunks:
     """The prefetcher's chunks, agreed across processes so all run the same loops.
 
     Each process's input may end at a different point. For evaluation and prediction
-    (``fill=True``) the loops go on while any process has rows; a process whose input ended
-    contributes all-padding steps. For training the loop length is the shortest process's,
+    (``fill=True``) the calls go on while any process has rows; a process whose input ended
+    contributes all-padding steps, and a call runs only the steps where some process has
+    rows. For training the loop length is the shortest process's,
     and training ends when any input ends. The host mask becomes the global one, matching
     the global arrays the loops return.
     """
@@ -34,30 +35,32 @@ class SyncedChunks:
     def __next__(self):
         chunk = None if self._ended else next(self._prefetch, None)
         self._ended = chunk is None
-        local = [0, 0] if chunk is None else [chunk.steps, int(chunk.host_mask.shape[0])]
-        table = multihost.gather(
-            np.array(local, np.int64)
-        )  # [processes, (real steps, loop length)]
-        steps, length = table[:, 0], table[:, 1]
+        local = [0, 0, 0, 0]
+        if chunk is not None:
+            local = [chunk.steps, chunk.host_mask.shape[0], chunk.ends_loop, chunk.loop_steps]
+        # [processes, (real steps, call length, ends its loop, planned loop steps)]
+        table = multihost.gather(np.array(local, np.int64))
+        steps = table[:, 0]
         if self._fill:
-            if not steps.max():
+            n = int(steps.max())
+            if not n:
                 raise StopIteration
             if chunk is None:
-                chunk = self._empty_chunk(int(length.max()))
-            chunk = chunk._replace(steps=int(steps.max()))
+                chunk = self._empty_chunk(n)
+            elif chunk.host_mask.shape[0] > n:  # no step runs where every process pads
+                chunk = _truncated(chunk, n)
+            # Every process plans the same calls; one whose input ended takes the plan from
+            # the others.
+            chunk = chunk._replace(
+                steps=n, ends_loop=bool(table[:, 2].max()), loop_steps=int(table[:, 3].max())
+            )
         else:
             n = int(steps.min())
             if n == 0:
                 self._ended = True
                 raise StopIteration
             if chunk.steps > n:
-                chunk = chunk._replace(
-                    features=jax.tree.map(lambda x: multihost.truncate_steps(x, n), chunk.features),
-                    labels=jax.tree.map(lambda x: multihost.truncate_steps(x, n), chunk.labels),
-                    mask=multihost.truncate_steps(chunk.mask, n),
-                    host_mask=chunk.host_mask[:n],
-                    steps=n,
-                )
+                chunk = _truncated(chunk, n)
         return chunk._replace(host_mask=multihost.to_host(chunk.mask) > 0)
 
     def _empty_chunk(self, n: int):
@@ -73,6 +76,17 @@ class SyncedChunks:
 
     def close(self) -> None:
         self._prefetch.close()
+
+
+def _truncated(chunk: Chunk, n: int) -> Chunk:
+    """The first ``n`` steps of a chunk (only this process's shards move)."""
+    return chunk._replace(
+        features=jax.tree.map(lambda x: multihost.truncate_steps(x, n), chunk.features),
+        labels=jax.tree.map(lambda x: multihost.truncate_steps(x, n), chunk.labels),
+        mask=multihost.truncate_steps(chunk.mask, n),
+        host_mask=chunk.host_mask[:n],
+        steps=min(chunk.steps, n),
+    )
 
 
 def synced(prefetch: Any, pipe: Any, *, fill: bool, mesh: Mesh) -> Any:

@@ -15,7 +15,7 @@ from ..errors import EstimatorValueError
 from ..parallel import multihost
 from ..runtime import seed_key_data
 from ..spec import ModeKeys
-from . import eval_loss
+from . import dispatch, eval_loss
 from .hook_runner import HookRunner, Session
 from .host import HostWorker, MetricAccumulator
 from .job import Job
@@ -34,10 +34,12 @@ def device_loops(
     to_host=multihost.to_host,
     pad_probe: list | None = None,
 ) -> Iterator:
-    """Yields ``(chunk, outputs, global_step)`` per device loop of EVAL or PREDICT, the
-    hooks run around each. ``to_host`` copies the loop's outputs to the host (default: every
-    row, on every process). ``pad_probe`` (a list) receives ``probe(chunk) -> outputs`` of
-    the same loop on an all-padding chunk shaped like ``chunk``.
+    """Yields ``(chunk, outputs, global_step)`` per compiled call of EVAL or PREDICT; the
+    hooks run around each loop of ``iterations_per_loop`` steps. A loop the input ends
+    inside runs only its real steps (``engine/plan.py``). ``to_host`` copies a call's
+    outputs to the host (default: every row, on every process).
+    ``pad_probe`` (a list) receives ``probe(chunk) -> outputs`` of the same loop on an
+    all-padding chunk shaped like ``chunk``.
     """
     pipe = job.feeder.pipeline(input_fn, mode, pad=True)
     ipl = job.config.tpu_config.iterations_per_loop
@@ -80,17 +82,25 @@ def device_loops(
             pad_probe.append(
                 lambda c: to_host(loop(variables, step_arr, rng, *eval_loss.all_padding(c)))
             )
+
+        def launch(c):
+            return loop(variables, step_arr, rng, c.features, c.labels, c.mask)
+
+        loops = dispatch.loops_of(prefetch, chunk)
+        chunk = None  # the first call's input goes with its call
         done = 0
-        while chunk is not None:
-            counters = np.arange(done + 1, done + chunk.steps + 1)
+        for loop_steps, calls in loops:
+            start, losses = done, []
+            counters = np.arange(done + 1, done + loop_steps + 1)
             runner.before_run(counters)
-            outs = to_host(loop(variables, step_arr, rng, chunk.features, chunk.labels, chunk.mask))
-            done += chunk.steps
-            yield chunk, outs, global_step
-            values = {"loss": outs[0][: chunk.steps].mean(axis=1)} if mode == ModeKeys.EVAL else {}
-            if runner.after_run(values, counters):
+            for call, outs in dispatch.dispatch(calls, launch=launch, fetch=to_host):
+                done += call.steps
+                yield call, outs, global_step
+                if mode == ModeKeys.EVAL:
+                    losses.append(outs[0][: call.steps].mean(axis=1))
+            values = {"loss": np.concatenate(losses)} if mode == ModeKeys.EVAL else {}
+            if runner.after_run(values, counters[: done - start]):
                 break
-            chunk = next(prefetch, None)
         runner.end()
     finally:
         prefetch.close()

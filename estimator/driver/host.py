@@ -31,6 +31,7 @@ import numpy as np
 import metrics as metrics_lib
 
 from .. import summary
+from ..data import threads
 from ..errors import EstimatorTypeError, EstimatorValueError
 
 _TRACER_ERRORS = (
@@ -50,7 +51,7 @@ HOST_CALL_QUEUE_LOOPS = 2  # loops of host work that may wait behind the one run
 
 
 class HostWorker:
-    """One background thread running submitted callables in submission order.
+    """One pooled background thread running submitted callables in submission order.
 
     The first error a task raises is kept and raised by the next ``check``/``join``/``submit``
     in the caller's thread, with its original traceback; every task after it is skipped, so
@@ -70,8 +71,7 @@ class HostWorker:
         self._changed = threading.Condition()
         self._error: BaseException | None = None
         self._failed = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._done = threads.run_in_thread(self._run, name=name)  # pooled: none per call
 
     def _run(self):
         while True:
@@ -160,7 +160,7 @@ class HostWorker:
         with self._changed:
             self._pending += 1
         self._queue.put((None, None))
-        self._thread.join(timeout=timeout)
+        self._done.wait(timeout=timeout)
 
 
 # ----------------------------------------------------------------------------- traced values

@@ -1,8 +1,10 @@
 """The training loop: short and linear; logging, summaries and checkpoints attach around it.
 
-One iteration: hooks' before_run -> one compiled call of ``n`` steps -> fetch the per-step
-outputs once -> host_call and summaries on the host thread -> hooks' after_run (the NaN check
-among them) -> maybe checkpoint. The next loop's input is already on the devices.
+One iteration (a loop of ``iterations_per_loop`` steps): hooks' before_run -> the loop's
+compiled calls back to back (one, or several when its input exceeds
+``max_staged_input_bytes``; ``dispatch``) -> its per-step outputs on the host -> host_call
+and summaries on the host thread -> hooks' after_run (the NaN check among them) -> maybe
+checkpoint. The next call's input is already on the devices.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from ..io.store import LastState, StateStore
 from ..parallel import multihost
 from ..scaffold import IN_MODEL_FN, fresh_init_fn
 from ..spec import ModeKeys
-from . import nonfinite, preemption, progress
+from . import dispatch, nonfinite, preemption, progress
 from .hook_runner import HookRunner, Session
 from .host import HOST_CALL_QUEUE_LOOPS, HostWorker, run_host_calls
 from .job import Job, TrainOutcome
@@ -445,21 +447,19 @@ def _train(job: Job, started: _Started, user_hooks, saving_listeners) -> TrainOu
     for listener in saver.listeners:
         listener.begin()
     runner.after_create_session()
-    chunk, losses, stopped = started.first, None, False
+    first, losses, stopped, input_ended = started.first, None, False, False
     if signals.requested and not multihost.is_multiprocess():
-        chunk = None  # stopped during start-up: save the state as it is
+        first = None  # stopped during start-up: save the state as it is
+    loops = dispatch.loops_of(prefetch, first) if first is not None else iter(())
     job.store.forget()  # the state is donated to the loop from here on
     try:
-        while chunk is not None:
-            steps = np.arange(step + 1, step + chunk.steps + 1)
+        for loop_steps, calls in loops:
+            steps = np.arange(step + 1, step + loop_steps + 1)
             runner.before_run(steps)
-            run.state, (losses, host, finite) = loop(run.state, chunk.features, chunk.labels)
-            # global rows on every process
-            losses, host, finite = multihost.to_host((losses, host, finite))
+            losses, host, finite, done = _run_calls(loop, run, calls)
+            steps = steps[:done]  # fewer when the input ended inside the loop
             nonfinite.check_finite(finite, losses, steps, names)  # before anything is saved
-            step += chunk.steps
-            run.position.input_pulls += chunk.pulls
-            run.position.input_state = chunk.input_state
+            step += done
             session.global_step = step
             host_call = spec.host_call
             if host_call is not None and multihost.is_process_0():  # once, on process 0
@@ -481,8 +481,8 @@ def _train(job: Job, started: _Started, user_hooks, saving_listeners) -> TrainOu
                 break
             if stopping:  # SIGTERM or Ctrl-C: checkpoint this step below, then stop
                 break
-            chunk = next(prefetch, None)  # None also when a stop request ends a wait
-        input_ended = chunk is None and not signals.requested
+        else:  # the input ended (or a stop request ended a wait for it)
+            input_ended = not signals.requested
         runner.end()
         if signals.requested:  # no evaluation or other listener work in the grace period
             saver.listeners = []
@@ -531,3 +531,22 @@ def _wait_committed(ckpts: Checkpoints) -> None:
     except KeyboardInterrupt:
         ckpts.wait()
         raise
+
+
+def _run_calls(loop, run: _Run, calls) -> tuple[np.ndarray, Any, np.ndarray, int]:
+    """Runs one loop's compiled calls back to back (``dispatch``); returns its per-step
+    losses, host tensors and all-finite flags, fetched to the host (global rows on every
+    process), and its number of steps. The input position advances with each call."""
+
+    def launch(chunk: Chunk):
+        run.state, outputs = loop(run.state, chunk.features, chunk.labels)
+        return outputs
+
+    parts, done = [], 0
+    for chunk, outputs in dispatch.dispatch(calls, launch=launch, fetch=multihost.to_host):
+        parts.append(outputs)
+        done += chunk.steps
+        run.position.input_pulls += chunk.pulls
+        run.position.input_state = chunk.input_state
+    losses, host, finite = dispatch.concat_steps(parts)
+    return losses, host, finite, done

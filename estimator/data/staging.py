@@ -1,0 +1,129 @@
+"""Staging a pipeline's steps for the compiled calls: one reused host buffer, bounded input.
+
+Each compiled call's steps are written straight into one ``[n, rows, ...]`` host buffer per
+input entry, allocated for that call (no per-batch concatenation, no stacking), and
+transferred to the devices sharded over ``"data"``; the stager keeps no reference to it
+afterwards (on CPU the device arrays may alias it, so it is never reused). ``n`` is at most
+``k``, which comes from ``TPUConfig.max_staged_input_bytes`` (see ``engine/plan.py``), so
+neither host nor device input grows with ``iterations_per_loop``.
+
+When the input ends inside a call, the steps read so far run as calls of power-of-two
+lengths (one process) so no compiled step sees only padding and the programs stay few; with
+several processes, whose inputs may end at different steps, the call is padded to its
+planned length and the processes agree on its real steps (``SyncedChunks``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from ..engine import plan
+from ..parallel import multihost
+from .inputs import Chunk, Pipeline
+
+
+class Stager:
+    """Reads planned calls from a pipeline into host buffers and onto the devices.
+
+    Args:
+      pipe: the pipeline (its first batch already read: ``pipe.prime()``).
+      mesh: the device mesh; inputs are sharded over ``"data"``.
+      split_short: run a call the input cut short as power-of-two calls of real steps.
+      fill: pad a call the input cut short to its planned length instead.
+    """
+
+    def __init__(self, pipe: Pipeline, mesh: Mesh, *, split_short: bool, fill: bool):
+        self._pipe, self._mesh = pipe, mesh
+        self._split, self._fill = split_short, fill
+        self.ended = False  # the input ended inside (or before) the last call read
+
+    def read(self, call: plan.Call) -> list[Chunk]:
+        """The chunks of one planned call: one, several when the input ended inside it, or
+        none when it had already ended."""
+        pipe, n = self._pipe, call.steps
+        rows, sig = pipe.rows_per_step, pipe.sig
+        bufs = [np.empty((n, rows, *s), d) for s, d in zip(sig.shapes, sig.dtypes)]
+        mask = np.empty((n, rows), bool)
+        before, after = pipe.consumed, []
+        real = 0
+        while real < n and pipe.write_step(bufs, mask, real):
+            real += 1
+            after.append(pipe.consumed)
+        ended = self.ended = real < n
+        if real == 0:
+            return []
+        if ended and self._fill:
+            for buf in bufs:
+                buf[real:n] = 0
+            mask[real:n] = False
+            segments = [(0, n, real)]
+        elif ended and self._split:
+            sizes = plan.powers_of_two(real)
+            starts = np.cumsum([0, *sizes[:-1]])
+            segments = [(int(a), s, s) for a, s in zip(starts, sizes)]
+        else:
+            segments = [(0, real, real)]
+        state = pipe.get_state()
+        chunks = []
+        for j, (a, length, steps) in enumerate(segments):
+            last = j == len(segments) - 1
+            pulls = after[a + steps - 1] - (after[a - 1] if a else before)
+            leaves = [buf[a : a + length] for buf in bufs]
+            chunks.append(
+                self._transfer(leaves, mask[a : a + length], steps, pulls, state, call, last)
+            )
+        return chunks
+
+    def _transfer(self, leaves, host_mask, steps, pulls, state, call, last) -> Chunk:
+        features, labels = jax.tree.unflatten(self._pipe.sig.treedef, leaves)
+        # Each process holds only its own rows; they become global arrays sharded over "data".
+        features, labels, mask = multihost.global_batch(
+            (features, labels, host_mask.astype(np.float32)), self._mesh
+        )
+        return Chunk(
+            features,
+            labels,
+            mask,
+            host_mask,
+            steps,
+            pulls,
+            state,
+            last and call.ends_loop,
+            call.loop_steps,
+        )
+
+
+def stream_calls(
+    pipe: Pipeline,
+    *,
+    mesh: Mesh,
+    next_loop: Callable[[], int],
+    iterations_per_loop: int,
+    budget: int,
+    exact_tail: bool,
+    fill: bool,
+    skip: int = 0,
+    on_skip_short: Callable[[int], None] | None = None,
+) -> Iterator[Chunk]:
+    """The chunks of every planned call, in order (run it on the prefetch thread).
+
+    ``next_loop()`` gives each loop's steps (<= 0 ends); ``skip`` batches are fast-forwarded
+    first (``on_skip_short(skip)`` is called when the input ends before).
+    """
+    if skip and pipe.skip(skip) < skip and on_skip_short is not None:
+        on_skip_short(skip)
+    if not pipe.prime():
+        return
+    k = plan.steps_per_call(
+        budget=budget, step_bytes=pipe.step_bytes(), iterations_per_loop=iterations_per_loop
+    )
+    split = not multihost.is_multiprocess()
+    stager = Stager(pipe, mesh, split_short=split, fill=fill and not split)
+    for call in plan.plan_calls(next_loop, k=k, exact_tail=exact_tail):
+        yield from stager.read(call)
+        if stager.ended:
+            return

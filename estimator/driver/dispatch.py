@@ -1,0 +1,89 @@
+"""Running a loop's compiled calls back to back: the host one call behind the devices.
+
+The input side delivers a stream of chunks, one per compiled call (see ``engine/plan.py``),
+each marked with whether it ends its loop of ``iterations_per_loop`` steps. ``loops_of``
+groups them into loops without staging a loop's input ahead of its calls; ``dispatch`` runs
+the calls of one loop, fetching a call's outputs only once the next call is queued.
+
+Example:
+  >>> from typing import NamedTuple
+  >>> class C(NamedTuple):
+  ...     steps: int
+  ...     ends_loop: bool
+  ...     loop_steps: int = 3
+  ...     features: object = None
+  ...     labels: object = None
+  ...     mask: object = None
+  >>> stream = iter([C(2, False), C(1, True), C(2, True)])
+  >>> [[c.steps for c in loop] for _, loop in loops_of(stream)]
+  [[2, 1], [2]]
+  >>> [(c.steps, out) for c, out in dispatch([C(2, False), C(1, True)],
+  ...                                         launch=lambda c: c.steps * 10, fetch=str)]
+  [(2, '20'), (1, '10')]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def loops_of(chunks: Iterator, first: Any = None) -> Iterator[tuple[int, Iterator]]:
+    """Groups a stream of chunks (each with ``ends_loop``) into loops, lazily.
+
+    Yields ``(planned steps of the loop, iterator over its chunks)`` per loop. The chunks
+    are taken from ``chunks`` only as the caller asks for them, so a loop's input is never
+    all staged at once. Consume a loop before asking for the next one. ``first`` is a chunk
+    already taken from the stream.
+    """
+    head = [first]
+
+    def one_loop() -> Iterator:
+        while True:
+            chunk, head[0] = head[0], None
+            if chunk is None:
+                chunk = next(chunks, None)
+            if chunk is None:
+                return
+            yield chunk
+            if chunk.ends_loop:
+                return
+
+    while True:
+        if head[0] is None:
+            head[0] = next(chunks, None)
+            if head[0] is None:
+                return
+        yield head[0].loop_steps, one_loop()
+
+
+def dispatch(
+    calls: Iterable, *, launch: Callable[[Any], Any], fetch: Callable[[Any], Any]
+) -> Iterator[tuple[Any, Any]]:
+    """Runs each call; yields ``(chunk, fetched outputs)`` in order, one call behind.
+
+    ``launch(chunk)`` dispatches a compiled call (asynchronously) and returns its device
+    outputs; ``fetch(outputs)`` copies them to the host, which waits for that call. Call
+    ``i`` is fetched only once call ``i + 1`` is queued, so the devices have work while the
+    host copies, and at most two calls and their inputs are in flight (XLA:CPU aborts with
+    many queued collective programs). The chunks yielded no longer hold their device input.
+    """
+    pending = None
+    for chunk in calls:
+        out = launch(chunk)
+        chunk = chunk._replace(features=None, labels=None, mask=None)
+        if pending is not None:
+            yield pending[0], fetch(pending[1])
+        pending = (chunk, out)
+    if pending is not None:
+        yield pending[0], fetch(pending[1])
+
+
+def concat_steps(parts: list) -> Any:
+    """Per-call outputs ``[k_i, ...]`` (host pytrees) joined into one loop's ``[n, ...]``."""
+    if len(parts) == 1:
+        return parts[0]
+    return jax.tree.map(lambda *xs: np.concatenate(xs), *parts)

@@ -1,0 +1,82 @@
+"""Which compiled calls run a loop: call lengths from ``iterations_per_loop`` and a byte budget.
+
+``iterations_per_loop`` (IPL) is what the user sees: hooks, host_call delivery, logging and
+checkpoints happen once per loop of IPL steps. Under it, a loop runs as one or more compiled
+calls of at most ``k`` steps, ``k`` chosen so one call's input fits
+``TPUConfig.max_staged_input_bytes`` per device, so the input on the devices does not grow
+with IPL.
+
+Call lengths come from a small set, so a second ``evaluate`` compiles nothing:
+
+* a loop of ``n`` steps is ``n // k`` calls of ``k`` steps and a tail of ``n % k``;
+* in training the tail is one call of exactly ``n % k`` steps (the IPL and the final loop
+  decide it, as before);
+* in evaluation and prediction, and wherever the input ends inside a call, the tail is split
+  into powers of two (13 -> 8 + 4 + 1): no step runs on a batch of padding only, and at most
+  ``log2(k) + 2`` programs exist per mode whatever the inputs' lengths.
+
+Example:
+  >>> calls_per_loop(10, 4, exact_tail=True)
+  [4, 4, 2]
+  >>> calls_per_loop(13, 16, exact_tail=False)
+  [8, 4, 1]
+  >>> steps_per_call(budget=1024, step_bytes=100, iterations_per_loop=25)
+  9
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+from ..errors import EstimatorValueError
+
+
+def powers_of_two(n: int) -> list[int]:
+    """``n`` as a sum of distinct powers of two, largest first (``13 -> [8, 4, 1]``)."""
+    if n < 0:
+        raise EstimatorValueError(f"a step count cannot be negative, got {n}")
+    return [1 << b for b in reversed(range(n.bit_length())) if n >> b & 1]
+
+
+def steps_per_call(*, budget: int, step_bytes: int, iterations_per_loop: int) -> int:
+    """The call length ``k``: as many steps as fit ``budget`` bytes, spread evenly over a loop.
+
+    At least one step per call, whatever the budget. When a loop needs ``c`` calls, ``k`` is
+    ``ceil(IPL / c)`` so its calls have nearly equal lengths (IPL 1000 with room for 300
+    steps runs as 4 calls of 250, not 3 of 300 and one of 100).
+    """
+    fit = max(1, budget // max(1, step_bytes))
+    if fit >= iterations_per_loop:
+        return iterations_per_loop
+    calls = math.ceil(iterations_per_loop / fit)
+    return math.ceil(iterations_per_loop / calls)
+
+
+def calls_per_loop(n: int, k: int, *, exact_tail: bool) -> list[int]:
+    """The call lengths of a loop of ``n`` steps with calls of at most ``k`` steps."""
+    if k <= 0:
+        raise EstimatorValueError(f"steps per call must be positive, got {k}")
+    full, rest = divmod(n, k)
+    tail = ([rest] if rest else []) if exact_tail else powers_of_two(rest)
+    return [k] * full + tail
+
+
+class Call(NamedTuple):
+    """One compiled call of a loop, as the input side plans it."""
+
+    steps: int  # steps of this call
+    loop_steps: int  # planned steps of the loop it belongs to
+    ends_loop: bool  # whether it is the last call of its loop
+
+
+def plan_calls(next_loop: Callable[[], int], *, k: int, exact_tail: bool) -> Iterator[Call]:
+    """The calls of successive loops; ``next_loop()`` gives each loop's steps (<= 0 ends)."""
+    while True:
+        n = next_loop()
+        if n <= 0:
+            return
+        lengths = calls_per_loop(n, k, exact_tail=exact_tail)
+        for i, steps in enumerate(lengths):
+            yield Call(steps, n, i == len(lengths) - 1)
