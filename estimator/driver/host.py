@@ -71,7 +71,7 @@ class HostWorker:
         self._changed = threading.Condition()
         self._error: BaseException | None = None
         self._failed = False
-        self._done = threads.run_in_thread(self._run, name=name)  # pooled: none per call
+        self._ended = threads.run_in_thread(self._run, name=name)  # pooled: none per call
 
     def _run(self):
         while True:
@@ -160,7 +160,7 @@ class HostWorker:
         with self._changed:
             self._pending += 1
         self._queue.put((None, None))
-        self._done.wait(timeout=timeout)
+        self._ended.wait(timeout=timeout)
 
 
 # ----------------------------------------------------------------------------- traced values
