@@ -69,17 +69,26 @@ def dispatch(
     outputs; ``fetch(outputs)`` copies them to the host, which waits for that call. Call
     ``i`` is fetched only once call ``i + 1`` is queued, so the devices have work while the
     host copies, and at most two calls and their inputs are in flight (XLA:CPU aborts with
-    many queued collective programs). The chunks yielded no longer hold their device input.
+    many queued collective programs). The chunks yielded no longer hold their device input:
+    ``features``, ``labels`` and ``mask`` become ``jax.ShapeDtypeStruct``s of it.
     """
     pending = None
     for chunk in calls:
         out = launch(chunk)
-        chunk = chunk._replace(features=None, labels=None, mask=None)
+        chunk = chunk._replace(**{k: _shapes(getattr(chunk, k)) for k in _INPUTS})
         if pending is not None:
             yield pending[0], fetch(pending[1])
         pending = (chunk, out)
     if pending is not None:
         yield pending[0], fetch(pending[1])
+
+
+_INPUTS = ("features", "labels", "mask")
+
+
+def _shapes(tree: Any) -> Any:
+    """Shape, dtype and sharding of each array, without its data."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
 def concat_steps(parts: list) -> Any:
