@@ -385,22 +385,24 @@ def _run(job: Job, started: _Started, hooks, target_fn, startup, saving_listener
         raise
     step = int(jax.device_get(started.run.state.step))
     global_batch = job.feeder.layout(ModeKeys.TRAIN).global_rows or started.model_batch
-    extra = [
-        progress.StartupSummaryHook(
-            job.mesh,
-            job.config,
-            startup,
-            global_batch=global_batch,
-            replica_batch=started.model_batch,
-            params=started.run.state.params,
-            opt_state=started.run.state.opt_state,
-            start_step=step,
-            target=target_fn(step),
-        )
-    ]
+    summary_hook = progress.StartupSummaryHook(
+        job.mesh,
+        job.config,
+        startup,
+        global_batch=global_batch,
+        replica_batch=started.model_batch,
+        params=started.run.state.params,
+        opt_state=started.run.state.opt_state,
+        start_step=step,
+        target=target_fn(step),
+    )
+    extra = []
     if progress.progress_enabled(job.config.progress_bar):
         extra.append(progress.ProgressBarHook(start=step, total=target_fn(step)))
-    return _train(job, started, list(hooks or ()) + extra, saving_listeners)
+    # The start-up line comes first, before the first loop's loss line.
+    return _train(
+        job, started, list(hooks or ()) + extra, saving_listeners, first_hooks=[summary_hook]
+    )
 
 
 def _loop_values(config: RunConfig, state: TrainState, losses, steps, host) -> dict:
@@ -414,7 +416,9 @@ def _loop_values(config: RunConfig, state: TrainState, losses, steps, host) -> d
     return values
 
 
-def _train(job: Job, started: _Started, user_hooks, saving_listeners) -> TrainOutcome:
+def _train(
+    job: Job, started: _Started, user_hooks, saving_listeners, *, first_hooks=()
+) -> TrainOutcome:
     cfg, run, prefetch = job.config, started.run, started.prefetch
     ckpts = job.store.writer()
     writer = summary.writer_for(job.model_dir)
@@ -436,7 +440,7 @@ def _train(job: Job, started: _Started, user_hooks, saving_listeners) -> TrainOu
     saver.session = session
     given = list(spec.training_hooks) + list(user_hooks or ())
     defaults = _default_hooks(cfg, given, writer=writer, examples_per_step=global_batch)
-    all_hooks = defaults + given
+    all_hooks = list(first_hooks) + defaults + given
     runner = HookRunner(all_hooks, session, examples_per_step=global_batch)
     loop = job.programs.train(started.model_batch)
     worker = HostWorker(max_queued=HOST_CALL_QUEUE_LOOPS)  # the device waits for a slow host
