@@ -29,7 +29,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -499,6 +499,14 @@ class Checkpoints:
         )
         self._manager.reload()
 
+    def _newest_first(self) -> Iterator[int]:
+        """Steps newest first, each once, listing again before each: a writer may have saved
+        or rotated steps while the previous one was being read."""
+        tried: set[int] = set()
+        while candidates := [s for s in reversed(self.steps()) if s not in tried]:
+            tried.add(candidates[0])
+            yield candidates[0]
+
     def latest_verified(self) -> tuple[int, dict] | None:
         """``(step, meta)`` of the newest step whose arrays all read back (see ``verify``);
         damaged newer steps are skipped with a warning and, for a writer, moved aside.
@@ -506,13 +514,8 @@ class Checkpoints:
         Raises:
           CheckpointError: steps exist but none reads back.
         """
-        tried, skipped = set(), []
-        while True:
-            candidates = [s for s in reversed(self.steps()) if s not in tried]
-            if not candidates:
-                break
-            s = candidates[0]
-            tried.add(s)
+        skipped = []
+        for s in self._newest_first():
             try:
                 meta = self.verify(s)
             except CheckpointError as e:
@@ -573,13 +576,8 @@ class Checkpoints:
         """
         if step is not None:
             return step, self.restore(step, variables=variables, train=train)
-        errors, tried, skipped = [], set(), []
-        while True:
-            candidates = [s for s in reversed(self.steps()) if s not in tried]
-            if not candidates:
-                break
-            s = candidates[0]
-            tried.add(s)
+        errors, skipped = [], []
+        for s in self._newest_first():
             try:
                 out = self.restore(s, variables=variables, train=train)
             except CheckpointMismatchError:

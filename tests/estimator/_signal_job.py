@@ -20,36 +20,25 @@ Usage:
 
 from __future__ import annotations
 
+# Importing the fault-injection job first sets its environment (8 CPU devices) before JAX is
+# imported; the batch size and data are shared with it.
+from tests.estimator._train_job import BATCH, data
+
+# isort: split
+import argparse
+import logging
 import os
+import sys
+import threading
+import time
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TPU_ESTIMATOR_NO_PROGRESS_BAR", "1")
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+import optax
 
-import argparse  # noqa: E402
-import logging  # noqa: E402
-import sys  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-
-import flax.linen as nn  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
-import estimator  # noqa: E402
-import hooks  # noqa: E402
-
-BATCH = 32
-
-
-def data(n: int = 256, d: int = 8, classes: int = 4):
-    rng = np.random.RandomState(0)
-    x = rng.randn(n, d).astype(np.float32)
-    y = (x @ rng.randn(d, classes)).argmax(-1).astype(np.int32)
-    return x, y
+import estimator
+import hooks
 
 
 def make_model_fn(host_sleep: float | None):
