@@ -435,22 +435,13 @@ class Pipeline:
                 step[width:] = np.tile(step[:width], (copies - 1,) + (1,) * (step.ndim - 1))
         return True
 
-    def empty_step(self) -> tuple[list, np.ndarray]:
-        rows = self.rows_per_pull * self.pulls_per_step * self.layout.copies
-        leaves = [np.zeros((rows, *s), d) for s, d in zip(self.sig.shapes, self.sig.dtypes)]
-        return leaves, np.zeros(rows, bool)
 
-
-def stack_steps(pipe: Pipeline, steps: list, mesh: Mesh) -> tuple:
-    """``(features, labels, mask, host_mask)`` of ``steps`` stacked into ``[n, rows, ...]``."""
-    leaves = [np.stack(xs) for xs in zip(*(s[0] for s in steps))]
-    host_mask = np.stack([s[1] for s in steps])
+def to_devices(pipe: Pipeline, leaves: list, host_mask: np.ndarray, mesh: Mesh) -> tuple:
+    """``(features, labels, mask)``: ``[n, rows, ...]`` host leaves (one per input entry, in
+    the pipeline's signature order) and their row mask as global arrays sharded over "data"
+    (each process holds only its own rows)."""
     features, labels = jax.tree.unflatten(pipe.sig.treedef, leaves)
-    # Each process holds only its own rows; they become global arrays sharded over "data".
-    features, labels, mask = multihost.global_batch(
-        (features, labels, host_mask.astype(np.float32)), mesh
-    )
-    return features, labels, mask, host_mask
+    return multihost.global_batch((features, labels, host_mask.astype(np.float32)), mesh)
 
 
 _DONE = object()

@@ -1,4 +1,4 @@
-"""Staging a pipeline's steps for the compiled calls: one reused host buffer, bounded input.
+"""Staging a pipeline's steps for the compiled calls: one host buffer per call, bounded input.
 
 Each compiled call's steps are written straight into one ``[n, rows, ...]`` host buffer per
 input entry, allocated for that call (no per-batch concatenation, no stacking), and
@@ -17,13 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-import jax
 import numpy as np
 from jax.sharding import Mesh
 
 from ..engine import plan
 from ..parallel import multihost
-from .inputs import Chunk, Pipeline
+from .inputs import Chunk, Pipeline, to_devices
 
 
 class Stager:
@@ -79,11 +78,7 @@ class Stager:
         return chunks
 
     def _transfer(self, leaves, host_mask, steps, pulls, state, call, last) -> Chunk:
-        features, labels = jax.tree.unflatten(self._pipe.sig.treedef, leaves)
-        # Each process holds only its own rows; they become global arrays sharded over "data".
-        features, labels, mask = multihost.global_batch(
-            (features, labels, host_mask.astype(np.float32)), self._mesh
-        )
+        features, labels, mask = to_devices(self._pipe, leaves, host_mask, self._mesh)
         return Chunk(
             features,
             labels,

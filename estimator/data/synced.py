@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 
 from ..errors import EstimatorValueError
 from ..parallel import multihost
-from .inputs import Chunk, stack_steps
+from .inputs import Chunk, to_devices
 
 
 class SyncedChunks:
@@ -70,8 +70,10 @@ class SyncedChunks:
                 f"input_fn of process {jax.process_index()} produced no batches while other "
                 "processes' did; every process needs at least one batch to know the shapes"
             )
-        steps = [pipe.empty_step() for _ in range(n)]
-        features, labels, mask, host_mask = stack_steps(pipe, steps, self._mesh)
+        rows = pipe.rows_per_step  # all padding: this process's input has ended
+        leaves = [np.zeros((n, rows, *s), d) for s, d in zip(pipe.sig.shapes, pipe.sig.dtypes)]
+        host_mask = np.zeros((n, rows), bool)
+        features, labels, mask = to_devices(pipe, leaves, host_mask, self._mesh)
         return Chunk(features, labels, mask, host_mask, 0, 0, pipe.get_state())
 
     def close(self) -> None:

@@ -59,9 +59,3 @@ def run_in_thread(fn: Callable[[], None], *, name: str) -> threading.Event:
         worker = _Worker()
     worker.give(fn, done, name)
     return done
-
-
-def pool_size() -> int:
-    """Idle pooled threads (for tests: it must not grow with repeated calls)."""
-    with _lock:
-        return len(_idle)

@@ -363,24 +363,21 @@ class Checkpoints:
             )
         return {k: v for k, v in meta.items() if k != "checksum"}
 
+    def _metadata(self, step: int, item: str) -> Any:
+        """The saved tree of one item, with shape/dtype metadata at the leaves."""
+        try:
+            return self._handler.metadata(epath.Path(self.path(step)) / item).tree
+        except Exception as e:  # noqa: BLE001 - Orbax/TensorStore raise many types
+            raise CheckpointError(
+                f"checkpoint {self.path(step)}: {item} metadata is unreadable ({_short(e)})"
+            ) from e
+
     def _host_template(self, step: int, item: str = "variables") -> Any:
         """numpy leaves shaped like the saved arrays: Orbax then restores onto the host."""
-        try:
-            tree = self._handler.metadata(epath.Path(self.path(step)) / item).tree
-        except Exception as e:  # noqa: BLE001 - Orbax/TensorStore raise many types
-            raise CheckpointError(
-                f"checkpoint {self.path(step)}: {item} metadata is unreadable ({_short(e)})"
-            ) from e
-        return jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), tree)
+        return jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), self._metadata(step, item))
 
     def _saved_shapes(self, step: int, item: str) -> dict[str, tuple]:
-        try:
-            tree = self._handler.metadata(epath.Path(self.path(step)) / item).tree
-        except Exception as e:  # noqa: BLE001 - Orbax/TensorStore raise many types
-            raise CheckpointError(
-                f"checkpoint {self.path(step)}: {item} metadata is unreadable ({_short(e)})"
-            ) from e
-        return _shapes(tree, item)
+        return _shapes(self._metadata(step, item), item)
 
     def check_matches(self, step: int, *, variables: Any, train: Any = None) -> None:
         """Raises CheckpointMismatchError when the step holds another model's arrays."""
