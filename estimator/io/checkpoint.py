@@ -209,11 +209,12 @@ def _handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
 
 def _listing(fn: Callable[[], Any]) -> Any:
     """Runs ``fn``, which lists the steps (Orbax reads each step's metadata as it lists),
-    again when a writer rotated a listed step away before it was read."""
+    again when a writer rotated a listed step away before it was read (Orbax reports that as
+    FileNotFoundError, or NotADirectoryError when it checks the step directory first)."""
     for attempt in range(_LISTING_ATTEMPTS):
         try:
             return fn()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             if attempt == _LISTING_ATTEMPTS - 1:
                 raise
             time.sleep(0.002 * (attempt + 1))
