@@ -8,6 +8,8 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from .. import summary
 from ..engine.state import restore_variables
@@ -76,8 +78,10 @@ def device_loops(
         )
         runner.begin()
         runner.after_create_session()
-        rng = jax.device_put(seed_key_data(job.config.tf_random_seed))
-        step_arr = np.int32(global_step)
+        # Placed on every device once, not copied there by each call.
+        replicated = NamedSharding(job.mesh, P())
+        rng = jax.device_put(seed_key_data(job.config.tf_random_seed), replicated)
+        step_arr = jax.device_put(np.int32(global_step), replicated)
         if pad_probe is not None:
             pad_probe.append(
                 lambda c: to_host(loop(variables, step_arr, rng, *eval_loss.all_padding(c)))

@@ -269,10 +269,11 @@ def batch_rows(tensors: Any, host_mask: np.ndarray, i: int) -> Any:
     another leading size (e.g. one row per replica) is passed as it is.
     """
     keep = host_mask[i]
+    every = bool(keep.all())  # most batches: no copy
 
     def one(v):
         v = np.asarray(v[i])
-        return v[keep] if v.shape[0] == keep.shape[0] else v
+        return v[keep] if v.shape[0] == keep.shape[0] and not every else v
 
     if isinstance(tensors, Mapping):
         return {k: one(v) for k, v in tensors.items()}

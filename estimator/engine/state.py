@@ -238,7 +238,7 @@ def restore_variables(
     ckpts = store.reader(model_dir)
     last = store.last
     if last is not None and store.owns(model_dir) and step in (None, last.step):
-        if ckpts.steps()[-1:] == [last.step]:  # the latest checkpoint is what we hold
+        if ckpts.newest_step() == last.step:  # the latest checkpoint is what we hold
             if not programs.traced(mode):  # trace model_fn once so its spec is known
                 abstract_variables(programs, mode, chunk, batch_size)
             variables, _ = train_state_parts(last.state)

@@ -278,6 +278,14 @@ class Checkpoints:
                 break
         return sorted(self._manager.all_steps())
 
+    def newest_step(self) -> int | None:
+        """The newest complete checkpoint's step, from one directory listing: cheaper than
+        ``steps()[-1]``, which reads every step's metadata (evaluate asks before each call)."""
+        if self._names is not step_names.TF_NAMES:  # the old layout: Orbax lists it
+            steps = self.steps()
+            return steps[-1] if steps else None
+        return step_names.newest_finished(self.directory, _entries(self.directory))
+
     def path(self, step: int) -> str:
         """The step's directory: ``<model_dir>/model.ckpt-<step>`` (TF's name)."""
         return os.path.join(self.directory, self._names.build_name(step))

@@ -17,7 +17,7 @@ import dataclasses
 import errno
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from etils import epath
 from orbax.checkpoint._src.path import step as step_lib
@@ -104,6 +104,17 @@ def has_checkpoints(model_dir: str) -> bool:
     return _has_new_steps(model_dir) or _has_legacy_steps(model_dir)
 
 
+def newest_finished(directory: str, names: Iterable[str]) -> int | None:
+    """The newest step among ``names`` (entries of the local ``directory``) that is a finished
+    ``model.ckpt-<step>`` directory, or None. On a local file system a step is finished once
+    it has its final name (Orbax writes under a temporary name, then renames)."""
+    steps = sorted((int(m.group(1)) for m in map(_STEP.fullmatch, names) if m), reverse=True)
+    for step in steps:
+        if os.path.isdir(os.path.join(directory, TF_NAMES.build_name(step))):
+            return step
+    return None
+
+
 def parse_step_path(path: str) -> tuple[str, int] | None:
     """``(model_dir, step)`` of a step directory path of either layout, else None."""
     path = os.path.abspath(path)
@@ -116,4 +127,12 @@ def parse_step_path(path: str) -> tuple[str, int] | None:
     return None
 
 
-__all__ = ["LEGACY_DIR", "PREFIX", "TFStepNames", "has_checkpoints", "layout", "parse_step_path"]
+__all__ = [
+    "LEGACY_DIR",
+    "PREFIX",
+    "TFStepNames",
+    "has_checkpoints",
+    "layout",
+    "parse_step_path",
+    "newest_finished",
+]

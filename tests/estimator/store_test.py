@@ -31,3 +31,17 @@ def test_saved_steps_and_the_last_state(tmp_path):
     assert store.last.step == 3 and store.last.state == "state"
     store.forget()
     assert store.last is None
+
+
+def test_newest_step_matches_the_full_listing_and_skips_unfinished_steps(tmp_path):
+    store = StateStore(str(tmp_path), keep_checkpoint_max=None)
+    ckpts = store.writer()
+    assert ckpts.newest_step() is None
+    variables = {"params": {"w": np.ones(3, np.float32)}}
+    for step in (5, 12):
+        ckpts.save(step, variables, {"step": np.int32(step)}, {"global_step": step})
+    ckpts.wait()
+    # A save in progress (Orbax's temporary name) and an unrelated entry are not steps.
+    (tmp_path / "model.ckpt-20.orbax-checkpoint-tmp-123").mkdir()
+    (tmp_path / "model.ckpt-30").write_text("not a directory")
+    assert ckpts.newest_step() == ckpts.steps()[-1] == 12
