@@ -8,12 +8,13 @@ It trains an image model (32x32x3 images, a strided conv, global batch 64: 768 K
 input per step, 96 KiB per device) for the same 2,000 steps at ``iterations_per_loop`` 1, 10,
 100 and 1,000, each case in a fresh process, and reports the growth of the peak resident set
 (on GPU/TPU: the device's ``peak_bytes_in_use``), the steady-state throughput and the calls
-each loop ran as. With a budget of 1 MiB per device a loop runs as calls of at most 10 steps
-whatever its length; with the default budget (256 MiB per device) every loop here fits one
-call, which is how every loop was staged before the budget existed.
+each loop ran as. The first four rows use the default budget (on CPU 8 MiB per process, so 1
+MiB per device with 8 simulated devices: calls of at most 10 steps whatever the loop's
+length). The last two set the accelerators' default, 256 MiB per device, on CPU: every loop
+here then fits one call, which is how every loop was staged before the budget existed.
 
 Then it evaluates the same model 50 times in one process and reports the resident set after
-calls 1, 10, 25 and 50 (a process that starts threads per call grows there).
+calls 1, 5, 10, 25 and 50 (a process that starts threads per call grows there).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import tempfile
 from typing import NamedTuple
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -30,6 +32,7 @@ import optax
 import estimator
 import metrics
 from benchmarks import _common as C
+from estimator.engine import plan
 
 SHAPE = (32, 32, 3)
 CLASSES = 10
@@ -88,9 +91,15 @@ def sizes(quick: bool) -> tuple[int, int]:
 
 def cases(quick: bool) -> list[Case]:
     if quick:
-        return [Case(1, 1.0), Case(4, 1.0)]
-    small = [Case(ipl, 1.0) for ipl in (1, 10, 100, 1000)]
-    return small + [Case(100, None), Case(1000, None)]
+        return [Case(1, None), Case(4, 1.0)]
+    default = [Case(ipl, None) for ipl in (1, 10, 100, 1000)]
+    return default + [Case(100, 256.0), Case(1000, 256.0)]
+
+
+def default_budget_mib() -> float:
+    """The default budget per device on this machine's devices, in MiB."""
+    devices = jax.local_devices()
+    return plan.input_budget(None, platform=devices[0].platform, local_devices=len(devices)) / MIB
 
 
 def make_estimator(model_dir: str, case: Case, batch: int) -> estimator.TPUEstimator:
@@ -165,7 +174,7 @@ def evaluate_memory(quick: bool) -> str:
     """RSS after repeated evaluate calls on one estimator, in this process (a note line)."""
     batch, _ = sizes(quick)
     calls = 3 if quick else 50
-    marks = (1, 2, 3) if quick else (1, 10, 25, 50)
+    marks = (1, 2, 3) if quick else (1, 5, 10, 25, 50)
     model_dir = tempfile.mkdtemp(prefix="bench_mem_eval_")
     try:
         est = make_estimator(model_dir, Case(10, None), batch)
@@ -182,7 +191,7 @@ def evaluate_memory(quick: bool) -> str:
     return (
         f"Repeated evaluate ({calls} calls of {4 if quick else 100} batches, one estimator, "
         f"one process): resident set {points}; growth {rss[marks[-1]] - rss[marks[0]]:+.1f} "
-        "MiB."
+        f"MiB over all calls, {rss[marks[-1]] - rss[marks[1]]:+.1f} MiB after call {marks[1]}."
     )
 
 
@@ -200,10 +209,11 @@ def main(argv: list[str] | None = None) -> str:
         else:
             results[i] = C.run_probe(__spec__.name, str(i))
     base = results.get(0, {}).get("peak_mib")
+    default_mib = default_budget_mib()
     for i, case in enumerate(cases(args.quick)):
         r = results.get(i, {})
         peak = r.get("peak_mib")
-        budget = "default (256)" if case.budget_mib is None else f"{case.budget_mib:g}"
+        budget = f"default ({default_mib:g})" if case.budget_mib is None else f"{case.budget_mib:g}"
         calls = r.get("calls")
         rows.append(
             [

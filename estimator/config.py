@@ -64,7 +64,10 @@ class TPUConfig:
         forward and backward pass (ZeRO-3 / FSDP); implies ``shard_optimizer_state``.
       max_staged_input_bytes: the input bytes, per device, one compiled call may hold. A
         loop whose input is larger runs as several calls back to back (the same results),
-        so device memory does not grow with ``iterations_per_loop``. Default 256 MiB.
+        so device memory does not grow with ``iterations_per_loop``. ``None`` (default):
+        256 MiB per device on TPU and GPU; on CPU, whose devices all live in host memory
+        and where a transfer is a copy with no latency to hide, 8 MiB per process, shared
+        by its CPU devices (docs/inputs.md).
     """
 
     iterations_per_loop: int = 2
@@ -76,11 +79,11 @@ class TPUConfig:
     unroll_loops: bool | None = False
     shard_optimizer_state: bool = False
     shard_params: bool = False
-    max_staged_input_bytes: int = 256 * 2**20
+    max_staged_input_bytes: int | None = None
 
     def __post_init__(self):
         _positive_int("iterations_per_loop", self.iterations_per_loop, allow_none=False)
-        _positive_int("max_staged_input_bytes", self.max_staged_input_bytes, allow_none=False)
+        _positive_int("max_staged_input_bytes", self.max_staged_input_bytes)
         _positive_int("num_shards", self.num_shards)
         _positive_int("num_cores_per_replica", self.num_cores_per_replica)
         _positive_int("host_call_every_n_steps", self.host_call_every_n_steps, allow_none=False)

@@ -11,6 +11,7 @@ from jax.sharding import Mesh
 
 from ..config import RunConfig
 from ..engine.model import user_params
+from ..engine.plan import input_budget
 from ..input_context import InputContext
 from ..tpu_context import input_fn_context
 from .inputs import Pipeline, Prefetcher, call_input_fn
@@ -90,7 +91,11 @@ class Feeder:
             mesh=self.mesh,
             next_loop=schedule,
             iterations_per_loop=tpu.iterations_per_loop,
-            budget=tpu.max_staged_input_bytes,
+            budget=input_budget(
+                tpu.max_staged_input_bytes,
+                platform=self.mesh.devices.flat[0].platform,
+                local_devices=len(self.mesh.local_devices),
+            ),
             exact_tail=not fill,
             fill=fill,
             skip=skip,

@@ -22,6 +22,8 @@ Example:
   [8, 4, 1]
   >>> steps_per_call(budget=1024, step_bytes=100, iterations_per_loop=25)
   9
+  >>> steps_per_call(budget=2100, step_bytes=100, iterations_per_loop=1000)
+  20
 """
 
 from __future__ import annotations
@@ -40,18 +42,49 @@ def powers_of_two(n: int) -> list[int]:
     return [1 << b for b in reversed(range(n.bit_length())) if n >> b & 1]
 
 
+ACCELERATOR_BUDGET = 256 * 2**20  # input bytes per device and call on TPU / GPU
+CPU_BUDGET = 8 * 2**20  # per process, shared by its CPU devices
+
+
+def input_budget(configured: int | None, *, platform: str, local_devices: int) -> int:
+    """``TPUConfig.max_staged_input_bytes`` per device, its default resolved.
+
+    On TPU and GPU the default stages up to 256 MiB per device per call, so a loop's input
+    streams in a few calls while the next one transfers. CPU devices all live in host
+    memory and a transfer there is a copy with no latency to hide, so the default is 8 MiB
+    per process, split over its CPU devices: peak memory then stays where
+    ``iterations_per_loop=1`` has it (benchmarks/memory_vs_ipl.py), and a call still holds
+    many steps of a small model's input.
+
+    Example:
+      >>> input_budget(None, platform="cpu", local_devices=8) == 2**20
+      True
+    """
+    if configured is not None:
+        return configured
+    if platform == "cpu":
+        return max(1, CPU_BUDGET // max(1, local_devices))
+    return ACCELERATOR_BUDGET
+
+
 def steps_per_call(*, budget: int, step_bytes: int, iterations_per_loop: int) -> int:
     """The call length ``k``: as many steps as fit ``budget`` bytes, spread evenly over a loop.
 
-    At least one step per call, whatever the budget. When a loop needs ``c`` calls, ``k`` is
-    ``ceil(IPL / c)`` so its calls have nearly equal lengths (IPL 1000 with room for 300
+    At least one step per call, whatever the budget. When a loop needs ``c`` calls, ``k``
+    divides IPL if that costs at most a quarter more calls (IPL 1000 with room for 21 steps
+    runs as 50 calls of 20: one program, not a second one for a 13-step tail); otherwise
+    ``k = ceil(IPL / c)`` so the calls have nearly equal lengths (IPL 1000 with room for 300
     steps runs as 4 calls of 250, not 3 of 300 and one of 100).
     """
     fit = max(1, budget // max(1, step_bytes))
-    if fit >= iterations_per_loop:
-        return iterations_per_loop
-    calls = math.ceil(iterations_per_loop / fit)
-    return math.ceil(iterations_per_loop / calls)
+    ipl = iterations_per_loop
+    if fit >= ipl:
+        return ipl
+    calls = math.ceil(ipl / fit)
+    divisor = next(d for d in range(fit, 0, -1) if ipl % d == 0)
+    if ipl // divisor <= calls + calls // 4:
+        return divisor
+    return math.ceil(ipl / calls)
 
 
 def calls_per_loop(n: int, k: int, *, exact_tail: bool) -> list[int]:

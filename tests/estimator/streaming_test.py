@@ -58,9 +58,32 @@ def test_steps_per_call_fits_the_budget_and_spreads_the_loop_evenly():
             assert 1 <= k <= max(1, min(fit, ipl))
             calls = plan.calls_per_loop(ipl, k, exact_tail=True)
             assert sum(calls) == ipl and max(calls) - min(calls) <= (k if len(calls) > 1 else 0)
-            assert len(calls) == -(-ipl // min(fit, ipl))  # as few calls as the budget allows
+            fewest = -(-ipl // min(fit, ipl))
+            if ipl % k == 0:  # one call length: at most a quarter more calls than the fewest
+                assert len(calls) <= fewest + fewest // 4
+            else:  # an even split: as few calls as the budget allows
+                assert len(calls) == fewest
+    # IPL 1000 with room for 21 steps: 50 calls of 20 (one program), not 47 of 21 and a 13.
+    assert plan.steps_per_call(budget=21, step_bytes=1, iterations_per_loop=1000) == 20
+    assert plan.steps_per_call(budget=300, step_bytes=1, iterations_per_loop=1000) == 250
     # A budget below one step still runs one step per call.
     assert plan.steps_per_call(budget=1, step_bytes=10**9, iterations_per_loop=50) == 1
+
+
+@pytest.mark.parametrize(
+    "configured, platform, devices, per_device",
+    [
+        (None, "tpu", 8, 256 * 2**20),
+        (None, "gpu", 1, 256 * 2**20),
+        (None, "cpu", 1, 8 * 2**20),
+        (None, "cpu", 8, 2**20),  # simulated devices share the host's memory
+        (3000, "cpu", 8, 3000),  # a configured budget is per device everywhere
+        (3000, "tpu", 8, 3000),
+    ],
+)
+def test_default_budget_depends_on_the_platform(configured, platform, devices, per_device):
+    got = plan.input_budget(configured, platform=platform, local_devices=devices)
+    assert got == per_device
 
 
 def test_eval_call_lengths_are_few_whatever_the_tail():
@@ -70,7 +93,7 @@ def test_eval_call_lengths_are_few_whatever_the_tail():
 
 
 def test_config_validates_the_budget():
-    assert estimator.TPUConfig().max_staged_input_bytes == 256 * 2**20
+    assert estimator.TPUConfig().max_staged_input_bytes is None  # the platform's default
     with pytest.raises(ValueError, match="max_staged_input_bytes"):
         estimator.TPUConfig(max_staged_input_bytes=0)
     with pytest.raises(TypeError, match="max_staged_input_bytes"):
