@@ -8,10 +8,11 @@ It trains an image model (32x32x3 images, a strided conv, global batch 64: 768 K
 input per step, 96 KiB per device) for the same 2,000 steps at ``iterations_per_loop`` 1, 10,
 100 and 1,000, each case in a fresh process, and reports the growth of the peak resident set
 (on GPU/TPU: the device's ``peak_bytes_in_use``), the steady-state throughput and the calls
-each loop ran as. The first four rows use the default budget (on CPU 8 MiB per process, so 1
-MiB per device with 8 simulated devices: calls of at most 10 steps whatever the loop's
-length). The last two set the accelerators' default, 256 MiB per device, on CPU: every loop
-here then fits one call, which is how every loop was staged before the budget existed.
+each loop ran as. The first four rows use the default budget (on CPU 2 MiB per process, so
+256 KiB per device with 8 simulated devices: calls of at most 2 steps here, whatever the
+loop's length). The last two set the accelerators' default, 256 MiB per device, on CPU:
+every loop here then fits one call, which is how every loop was staged before the budget
+existed.
 
 Then it evaluates the same model 50 times in one process and reports the resident set after
 calls 1, 5, 10, 25 and 50 (a process that starts threads per call grows there).

@@ -66,7 +66,7 @@ class TPUConfig:
         loop whose input is larger runs as several calls back to back (the same results),
         so device memory does not grow with ``iterations_per_loop``. ``None`` (default):
         256 MiB per device on TPU and GPU; on CPU, whose devices all live in host memory
-        and where a transfer is a copy with no latency to hide, 8 MiB per process, shared
+        and where a transfer is a copy with no latency to hide, 2 MiB per process, shared
         by its CPU devices (docs/inputs.md).
     """
 

@@ -40,6 +40,7 @@ def loops_of(chunks: Iterator, first: Any = None) -> Iterator[tuple[int, Iterato
     already taken from the stream.
     """
     head = [first]
+    del first  # only ``head`` holds it, so it goes once dispatched
 
     def one_loop() -> Iterator:
         while True:

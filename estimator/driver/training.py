@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
@@ -205,11 +205,13 @@ def _open_input(job: Job, input_fn, meta: dict, target_fn):
     return pipe, prefetch, first
 
 
-class _Started(NamedTuple):
-    """A train call ready to loop: its state and input position, the first chunk."""
+@dataclasses.dataclass
+class _Started:
+    """A train call ready to loop: its state and input position, the first chunk (handed
+    to the loop once, so its input is not held until ``train`` returns)."""
 
     run: _Run
-    first: Chunk
+    first: Chunk | None
     prefetch: Prefetcher
     model_batch: int  # rows model_fn sees per replica
 
@@ -452,9 +454,11 @@ def _train(
         listener.begin()
     runner.after_create_session()
     first, losses, stopped, input_ended = started.first, None, False, False
+    started.first = None
     if signals.requested and not multihost.is_multiprocess():
         first = None  # stopped during start-up: save the state as it is
     loops = dispatch.loops_of(prefetch, first) if first is not None else iter(())
+    del first  # the loop holds it until its call is dispatched
     job.store.forget()  # the state is donated to the loop from here on
     try:
         for loop_steps, calls in loops:

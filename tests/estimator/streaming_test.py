@@ -75,8 +75,8 @@ def test_steps_per_call_fits_the_budget_and_spreads_the_loop_evenly():
     [
         (None, "tpu", 8, 256 * 2**20),
         (None, "gpu", 1, 256 * 2**20),
-        (None, "cpu", 1, 8 * 2**20),
-        (None, "cpu", 8, 2**20),  # simulated devices share the host's memory
+        (None, "cpu", 1, 2 * 2**20),
+        (None, "cpu", 8, 2**18),  # simulated devices share the host's memory
         (3000, "cpu", 8, 3000),  # a configured budget is per device everywhere
         (3000, "tpu", 8, 3000),
     ],
