@@ -35,7 +35,7 @@ EXPECTED = {
     "startup": [("estimator", "cold"), ("estimator", "warm")],
     "sharded_state": [("replicated",), ("shard_optimizer_state",), ("shard_params",)],
     "vs_tensorflow": [("estimator", "cold"), ("estimator", "warm")],
-    "memory_vs_ipl": [("1", "1", "1"), ("4", "1", "4")],
+    "memory_vs_ipl": [("1", "default", "1"), ("4", "1", "4")],
     "predict_tail": [("1",), ("8",)],
 }
 
