@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 from typing import Any, TypeVar
 
 import numpy as np
@@ -184,9 +185,8 @@ class Metric(abc.ABC):
                 f"{type(self).__name__} is not a dataclass, so it must override _merge()."
             )
         summed = {
-            f.name: getattr(self, f.name) + getattr(other, f.name)
-            for f in dataclasses.fields(self)
-            if not f.metadata.get(_STATIC, False)
+            name: getattr(self, name) + getattr(other, name)
+            for name in _field_names(type(self), static=False)
         }
         return dataclasses.replace(self, **summed)
 
@@ -194,11 +194,16 @@ class Metric(abc.ABC):
         """Returns the static (configuration) fields, by name."""
         if not dataclasses.is_dataclass(self):
             return {}
-        return {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if f.metadata.get(_STATIC, False)
-        }
+        return {name: getattr(self, name) for name in _field_names(type(self), static=True)}
+
+
+@functools.cache
+def _field_names(cls: type, *, static: bool) -> tuple[str, ...]:
+    """A dataclass metric's configuration (``static``) or state field names; cached per type
+    because metric_fn's results are merged once per eval batch."""
+    return tuple(
+        f.name for f in dataclasses.fields(cls) if f.metadata.get(_STATIC, False) == static
+    )
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -198,14 +198,13 @@ def conform(tree: Any, sig: Signature, *, rows: int, allow_short: bool) -> tuple
     Dtypes that can be cast safely are converted (so nothing recompiles); others, a changed
     structure or shape, or more rows than the batch size are errors naming the entry.
     """
-    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
     if treedef != sig.treedef:
         raise EstimatorValueError(
             f"input batch structure changed: expected {sig.treedef}, got {treedef}"
         )
     out = []
-    for (path, x), shape, dtype in zip(leaves_with_path, sig.shapes, sig.dtypes):
-        name = _name(path)
+    for x, name, shape, dtype in zip(leaves, sig.paths, sig.shapes, sig.dtypes):
         x = _canonical(x, name)
         if x.ndim == 0 or x.shape[1:] != shape:
             raise EstimatorValueError(
@@ -220,7 +219,7 @@ def conform(tree: Any, sig: Signature, *, rows: int, allow_short: bool) -> tuple
                 )
             x = x.astype(dtype)
         out.append(x)
-    n = _batch_rows(out, [_name(p) for p, _ in leaves_with_path], rows)
+    n = _batch_rows(out, list(sig.paths), rows)
     if n > rows or (n < rows and not allow_short):
         raise EstimatorValueError(
             f"input batch has {n} rows, expected batch size {rows} (entry {sig.paths[0]}, "
