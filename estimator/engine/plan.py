@@ -54,7 +54,7 @@ def input_budget(configured: int | None, *, platform: str, local_devices: int) -
     memory and a transfer there is a copy with no latency to hide, so the default is 2 MiB
     per process, split over its CPU devices: peak memory at ``iterations_per_loop=1000``
     then stays within 1.3x of IPL 1 for an image model (benchmarks/memory_vs_ipl.py), and
-    a small model still runs dozens of steps per call (the MLP benchmark: 25, at 0.956x
+    a small model still runs dozens of steps per call (the MLP benchmark: 25, at 0.96x
     the hand-written ceiling).
 
     Example:
