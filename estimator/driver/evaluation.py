@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -37,7 +38,8 @@ def device_loops(
     pad_probe: list | None = None,
 ) -> Iterator:
     """Yields ``(chunk, outputs, global_step)`` per compiled call of EVAL or PREDICT; the
-    hooks run around each loop of ``iterations_per_loop`` steps. A loop the input ends
+    hooks run around each loop of ``iterations_per_loop`` steps, one call behind the
+    devices (docs/guide.md). A loop the input ends
     inside runs only its real steps (``engine/plan.py``). ``to_host`` copies a call's
     outputs to the host (default: every row, on every process).
     ``pad_probe`` (a list) receives ``probe(chunk) -> outputs`` of the same loop on an
@@ -90,24 +92,37 @@ def device_loops(
         def launch(c):
             return loop(variables, step_arr, rng, c.features, c.labels, c.mask)
 
-        loops = dispatch.loops_of(prefetch, chunk)
+        # One dispatch over every call, across loop boundaries: the next loop's first call is
+        # queued before the last one's outputs are fetched and its hooks run, so the devices
+        # do not wait for the host between loops. Hooks still see each loop in order; a stop
+        # requested in after_run drops the call already queued (evaluation keeps no position).
+        calls = itertools.chain([chunk], prefetch)
         chunk = None  # the first call's input goes with its call
-        done = 0
-        for loop_steps, calls in loops:
-            start, losses = done, []
-            counters = np.arange(done + 1, done + loop_steps + 1)
-            runner.before_run(counters)
-            for call, outs in dispatch.dispatch(calls, launch=launch, fetch=to_host):
-                done += call.steps
-                yield call, outs, global_step
-                if mode == ModeKeys.EVAL:
-                    losses.append(outs[0][: call.steps].mean(axis=1))
-            values = {"loss": np.concatenate(losses)} if mode == ModeKeys.EVAL else {}
-            if runner.after_run(values, counters[: done - start]):
-                break
+        done, start, losses, counters = 0, 0, [], None
+        for call, outs in dispatch.dispatch(calls, launch=launch, fetch=to_host):
+            if counters is None:  # the first call of a loop
+                start, losses = done, []
+                counters = np.arange(done + 1, done + call.loop_steps + 1)
+                runner.before_run(counters)
+            done += call.steps
+            yield call, outs, global_step
+            if mode == ModeKeys.EVAL:
+                losses.append(outs[0][: call.steps].mean(axis=1))
+            if call.ends_loop:
+                if runner.after_run(_loop_values(mode, losses), counters[: done - start]):
+                    break
+                counters = None
+        else:
+            if counters is not None:  # the input ended inside a loop
+                runner.after_run(_loop_values(mode, losses), counters[: done - start])
         runner.end()
     finally:
         prefetch.close()
+
+
+def _loop_values(mode: str, losses: list) -> dict:
+    """What hooks may fetch after a loop: evaluation's per-step loss."""
+    return {"loss": np.concatenate(losses)} if mode == ModeKeys.EVAL else {}
 
 
 def _check_predictions(predictions: Any, rows: int) -> None:

@@ -288,3 +288,54 @@ def test_repeated_evaluate_starts_no_new_threads(tmp_path):
         est.evaluate(h.eval_input_fn(x, y))
         list(est.predict(h.eval_input_fn(x)))
     assert threading.active_count() <= before
+
+
+class _EvalRecorder(hooks_lib.SessionRunHook):
+    """Records each evaluation loop's step counters and per-step losses; asks to stop after
+    ``stop_after`` loops."""
+
+    def __init__(self, stop_after: int | None = None):
+        self.loops, self.stop_after = [], stop_after
+
+    def before_run(self, run_context):
+        return hooks_lib.SessionRunArgs({"loss": "loss"})
+
+    def after_run(self, run_context, run_values):
+        loss = np.asarray(run_values.results["loss"]).copy()
+        self.loops.append((np.asarray(run_context.steps).tolist(), loss))
+        if self.stop_after is not None and len(self.loops) >= self.stop_after:
+            run_context.request_stop()
+
+
+def test_eval_hooks_see_each_loop_in_order_with_the_next_loop_queued(tmp_path, monkeypatch):
+    """Calls run back to back across loops, yet hooks see every loop, including the partial
+    last one, with exactly its steps and per-step losses (one step per loop's row here)."""
+    est = _eval_estimator(tmp_path, [], ipl=2)
+    loops = _spy_calls(monkeypatch)
+    x, y = h.make_data(n=5 * BATCH - 3, seed=3)  # 5 batches: loops of 2, 2 and 1 steps
+    hook = _EvalRecorder()
+    results = est.evaluate(h.eval_input_fn(x, y), hooks=[hook])
+    assert loops == [[2, 2, 1]]  # one dispatch over every call of the evaluation
+    assert [steps for steps, _ in hook.loops] == [[1, 2], [3, 4], [5]]
+    per_step = np.concatenate([loss for _, loss in hook.loops])
+    singles = [
+        est.evaluate(h.eval_input_fn(x[i : i + BATCH], y[i : i + BATCH]))["loss"]
+        for i in range(0, len(x), BATCH)
+    ]
+    # The full batches' losses as one evaluation per batch (a hook sees the replicas' mean,
+    # which for the padded last batch is not the mean over its real rows).
+    np.testing.assert_allclose(per_step[:4], singles[:4], rtol=1e-6)
+    np.testing.assert_allclose(results["loss"], np.average(singles, weights=[16] * 4 + [13]))
+
+
+def test_a_stop_after_a_loop_counts_only_the_loops_the_hooks_saw(tmp_path):
+    """The next loop's first call is already queued when after_run asks to stop: its
+    outputs are dropped, so the results are those of the loops run (as ``steps`` gives)."""
+    est = _eval_estimator(tmp_path, [], ipl=2)
+    x, y = h.make_data(n=6 * BATCH, seed=4)
+    hook = _EvalRecorder(stop_after=1)
+    stopped = est.evaluate(h.eval_input_fn(x, y), hooks=[hook])
+    assert [steps for steps, _ in hook.loops] == [[1, 2]]
+    reference = est.evaluate(h.eval_input_fn(x, y), steps=2)
+    assert stopped["loss"] == reference["loss"]
+    assert stopped["accuracy"] == reference["accuracy"]
