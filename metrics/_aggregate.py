@@ -41,6 +41,8 @@ class _Average(Metric):
         mask: ArrayLike | None,
         target: str,
     ) -> _A:
+        if weights is None and mask is None:  # every entry counts once: no weights array
+            return cls(float(np.sum(values, dtype=np.float64)), float(values.size))
         w = _inputs.broadcast_weights(weights, values.shape, mask=mask, target=target)
         return cls(_inputs.weighted_sum(values.astype(np.float64), w), float(np.sum(w)))
 
