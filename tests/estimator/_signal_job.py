@@ -39,6 +39,7 @@ import optax
 
 import estimator
 import hooks
+from tests import helpers as h
 
 
 def make_model_fn(host_sleep: float | None):
@@ -58,14 +59,6 @@ def make_model_fn(host_sleep: float | None):
         )
 
     return model_fn
-
-
-def endless(params):
-    x, y = data()
-    b = params["batch_size"]
-    while True:
-        for i in range(0, len(x) - b + 1, b):
-            yield x[i : i + b], y[i : i + b]
 
 
 def stalling(params):
@@ -108,7 +101,7 @@ def run_phase(name: str, workdir: str, cache: str | None) -> None:
     print(f"PHASE {name}", flush=True)
     model_dir = os.path.join(workdir, name)
     est = make_estimator(model_dir, host_sleep=0.05 if name == "slow_host" else None, cache=cache)
-    input_fn = stalling if name == "stall" else endless
+    input_fn = stalling if name == "stall" else h.train_input_fn(*data(), features_dict=False)
     progress = _Progress({6: 3.0} if name == "abort" else {})
     if name == "interrupt":  # uncaught: the process ends as a user's script would
         est.train(input_fn, max_steps=100_000, hooks=[progress])
