@@ -280,7 +280,8 @@ class Checkpoints:
 
     def newest_step(self) -> int | None:
         """The newest complete checkpoint's step, from one directory listing: cheaper than
-        ``steps()[-1]``, which reads every step's metadata (evaluate asks before each call)."""
+        ``steps()[-1]``, which reads every step's metadata (evaluate, ``latest_checkpoint``
+        and the checkpoint pollers ask it)."""
         if self._names is not step_names.TF_NAMES:  # the old layout: Orbax lists it
             steps = self.steps()
             return steps[-1] if steps else None

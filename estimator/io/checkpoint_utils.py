@@ -43,8 +43,8 @@ def latest_checkpoint(checkpoint_dir: str) -> str | None:
     if not os.path.isdir(checkpoint_dir) or not has_checkpoints(checkpoint_dir):
         return None
     ckpts = Checkpoints(checkpoint_dir, read_only=True)
-    steps = ckpts.steps()
-    return ckpts.path(steps[-1]) if steps else None
+    step = ckpts.newest_step()
+    return None if step is None else ckpts.path(step)
 
 
 def _wait_for_new_checkpoint(

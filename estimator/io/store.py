@@ -74,5 +74,5 @@ class StateStore:
     def latest_checkpoint(self) -> str | None:
         """The directory of the newest complete checkpoint, or None."""
         ckpts = self.reader()
-        steps = ckpts.steps()
-        return ckpts.path(steps[-1]) if steps else None
+        step = ckpts.newest_step()
+        return None if step is None else ckpts.path(step)
