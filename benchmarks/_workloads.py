@@ -154,7 +154,7 @@ def make_estimator(
     *,
     global_batch: int,
     iterations_per_loop: int,
-    unroll: bool = False,
+    unroll: bool | None = False,
     host_call: bool = False,
     compilation_cache_dir: str | bool = False,
 ) -> estimator.TPUEstimator:

@@ -77,14 +77,16 @@ class Feeder:
         schedule: Callable[[], int],
         *,
         fill: bool,
+        merge_loops: bool = False,
         skip: int = 0,
         interrupt: threading.Event | None = None,
     ):
         """The chunks of every compiled call, staged ahead on a thread and agreed across
         processes. ``schedule()`` gives each loop's steps (<= 0 ends); ``fill`` (eval and
         predict) runs a loop the input ends inside as calls of power-of-two lengths;
-        ``skip`` batches already consumed are passed over first. Once ``interrupt`` is set,
-        a wait for the next chunk ends as the end of the input."""
+        ``merge_loops`` (eval) lets a call run several whole loops; ``skip`` batches already
+        consumed are passed over first. Once ``interrupt`` is set, a wait for the next chunk
+        ends as the end of the input."""
         tpu = self.config.tpu_config
         chunks = stream_calls(
             pipe,
@@ -98,6 +100,7 @@ class Feeder:
             ),
             exact_tail=not fill,
             fill=fill,
+            merge_loops=merge_loops,
             skip=skip,
             on_skip_short=lambda n: log.warning(
                 "Input ended while skipping %d consumed batches.", n

@@ -7,8 +7,9 @@ afterwards (on CPU the device arrays may alias it, so it is never reused). ``n``
 ``k``, which comes from ``TPUConfig.max_staged_input_bytes`` (see ``engine/plan.py``), so
 neither host nor device input grows with ``iterations_per_loop``.
 
-When the input ends inside a call, the steps read so far run as calls of power-of-two
-lengths (one process) so no compiled step sees only padding and the programs stay few; with
+When the input ends inside a call, the steps read so far run as whole loops and then calls
+of power-of-two lengths (one process) so no compiled step sees only padding and the programs
+stay few; with
 several processes, whose inputs may end at different steps, the call is padded to its
 planned length and the processes agree on its real steps (``SyncedChunks``).
 """
@@ -31,13 +32,15 @@ class Stager:
     Args:
       pipe: the pipeline (its first batch already read: ``pipe.prime()``).
       mesh: the device mesh; inputs are sharded over ``"data"``.
-      split_short: run a call the input cut short as power-of-two calls of real steps.
+      split_short: run a call the input cut short as calls of its real steps: whole loops of
+        ``loop`` steps, then powers of two.
       fill: pad a call the input cut short to its planned length instead.
+      loop: ``iterations_per_loop``.
     """
 
-    def __init__(self, pipe: Pipeline, mesh: Mesh, *, split_short: bool, fill: bool):
+    def __init__(self, pipe: Pipeline, mesh: Mesh, *, split_short: bool, fill: bool, loop: int):
         self._pipe, self._mesh = pipe, mesh
-        self._split, self._fill = split_short, fill
+        self._split, self._fill, self._loop = split_short, fill, loop
         self.ended = False  # the input ended inside (or before) the last call read
 
     def read(self, call: plan.Call) -> list[Chunk]:
@@ -61,7 +64,7 @@ class Stager:
             mask[real:n] = False
             segments = [(0, n, real)]
         elif ended and self._split:
-            sizes = plan.powers_of_two(real)
+            sizes = plan.split_steps(real, self._loop)
             starts = np.cumsum([0, *sizes[:-1]])
             segments = [(int(a), s, s) for a, s in zip(starts, sizes)]
         else:
@@ -101,24 +104,31 @@ def stream_calls(
     budget: int,
     exact_tail: bool,
     fill: bool,
+    merge_loops: bool = False,
     skip: int = 0,
     on_skip_short: Callable[[int], None] | None = None,
 ) -> Iterator[Chunk]:
     """The chunks of every planned call, in order (run it on the prefetch thread).
 
-    ``next_loop()`` gives each loop's steps (<= 0 ends); ``skip`` batches are fast-forwarded
-    first (``on_skip_short(skip)`` is called when the input ends before).
+    ``next_loop()`` gives each loop's steps (<= 0 ends); ``merge_loops`` lets one call run
+    several whole loops that fit the budget (evaluation: ``plan.loops_per_call``); ``skip``
+    batches are fast-forwarded first (``on_skip_short(skip)`` is called when the input ends
+    before).
     """
     if skip and pipe.skip(skip) < skip and on_skip_short is not None:
         on_skip_short(skip)
     if not pipe.prime():
         return
-    k = plan.steps_per_call(
-        budget=budget, step_bytes=pipe.step_bytes(), iterations_per_loop=iterations_per_loop
+    sizes = {"budget": budget, "step_bytes": pipe.step_bytes()}
+    k = plan.steps_per_call(**sizes, iterations_per_loop=iterations_per_loop)
+    merge = (
+        plan.loops_per_call(**sizes, iterations_per_loop=iterations_per_loop) if merge_loops else 1
     )
     split = not multihost.is_multiprocess()
-    stager = Stager(pipe, mesh, split_short=split, fill=fill and not split)
-    for call in plan.plan_calls(next_loop, k=k, exact_tail=exact_tail):
+    stager = Stager(
+        pipe, mesh, split_short=split, fill=fill and not split, loop=iterations_per_loop
+    )
+    for call in plan.plan_calls(next_loop, k=k, exact_tail=exact_tail, merge=merge):
         yield from stager.read(call)
         if stager.ended:
             return

@@ -37,10 +37,10 @@ def device_loops(
     to_host=multihost.to_host,
     pad_probe: list | None = None,
 ) -> Iterator:
-    """Yields ``(chunk, outputs, global_step)`` per compiled call of EVAL or PREDICT; the
-    hooks run around each loop of ``iterations_per_loop`` steps, one call behind the
-    devices (docs/guide.md). A loop the input ends
-    inside runs only its real steps (``engine/plan.py``). ``to_host`` copies a call's
+    """Yields ``(chunk, outputs, global_step)`` per compiled call of EVAL or PREDICT, split
+    where a call runs several loops (evaluation, ``engine/plan.py``); the hooks run around
+    each loop of ``iterations_per_loop`` steps, one call behind the devices (docs/guide.md).
+    A loop the input ends inside runs only its real steps. ``to_host`` copies a call's
     outputs to the host (default: every row, on every process).
     ``pad_probe`` (a list) receives ``probe(chunk) -> outputs`` of the same loop on an
     all-padding chunk shaped like ``chunk``.
@@ -56,7 +56,9 @@ def device_loops(
         left[0] -= n
         return n
 
-    prefetch = job.feeder.prefetch(pipe, schedule, fill=True)
+    # Evaluation may run several loops per call, unless unrolled programs would grow with it.
+    merge = mode == ModeKeys.EVAL and not job.programs.unrolled(mode)
+    prefetch = job.feeder.prefetch(pipe, schedule, fill=True, merge_loops=merge)
     try:
         chunk = next(prefetch, None)
         if chunk is None:
@@ -98,18 +100,20 @@ def device_loops(
         # requested in after_run drops the call already queued (evaluation keeps no position).
         calls = itertools.chain([chunk], prefetch)
         chunk = None  # the first call's input goes with its call
+        fetched = dispatch.dispatch(calls, launch=launch, fetch=to_host)
         done, start, losses, counters = 0, 0, [], None
-        for call, outs in dispatch.dispatch(calls, launch=launch, fetch=to_host):
-            if counters is None:  # the first call of a loop
+        for part, outs in _by_loop(fetched, ipl):
+            if counters is None:  # the first part of a loop
                 start, losses = done, []
-                counters = np.arange(done + 1, done + call.loop_steps + 1)
+                planned = ipl if steps is None else min(ipl, steps - done)
+                counters = np.arange(done + 1, done + planned + 1)
                 runner.before_run(counters)
-            done += call.steps
-            yield call, outs, global_step
+            done += part.steps
+            yield part, outs, global_step
             if mode == ModeKeys.EVAL:
-                losses.append(outs[0][: call.steps].mean(axis=1))
-            if call.ends_loop:
-                if runner.after_run(_loop_values(mode, losses), counters[: done - start]):
+                losses.append(outs[0][: part.steps].mean(axis=1))
+            if done - start == len(counters):  # the loop is complete
+                if runner.after_run(_loop_values(mode, losses), counters):
                     break
                 counters = None
         else:
@@ -118,6 +122,26 @@ def device_loops(
         runner.end()
     finally:
         prefetch.close()
+
+
+def _by_loop(fetched: Iterator, ipl: int) -> Iterator:
+    """``(chunk, outputs)`` per fetched call, a call that runs several loops split where a
+    loop ends (every loop but the last has ``ipl`` steps, so loops end at its multiples)."""
+    done = 0
+    for call, outs in fetched:
+        if done // ipl == (done + call.steps - 1) // ipl:  # within one loop: as it is
+            done += call.steps
+            yield call, outs
+            continue
+        rows = call.host_mask.shape[0]  # steps the call ran, padding ones included
+        a = 0
+        while a < call.steps:
+            b = min(call.steps, a + ipl - (done + a) % ipl)
+            end = b if b < call.steps else rows  # the last part keeps the padding steps
+            part = call._replace(host_mask=call.host_mask[a:end], steps=b - a)
+            yield part, jax.tree.map(lambda x, a=a, end=end: x[a:end], outs)
+            a = b
+        done += call.steps
 
 
 def _loop_values(mode: str, losses: list) -> dict:

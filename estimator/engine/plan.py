@@ -15,6 +15,12 @@ Call lengths come from a small set, so a second ``evaluate`` compiles nothing:
   into powers of two (13 -> 8 + 4 + 1): no step runs on a batch of padding only, and at most
   ``log2(k) + 2`` programs exist per mode whatever the inputs' lengths.
 
+Evaluation keeps no state between loops, so when several whole loops fit the budget one call
+runs up to ``MAX_LOOPS_PER_CALL`` of them (``loops_per_call``); the hooks still see each loop
+(``driver/evaluation.py``). Whole loops left over at the end run as one-loop calls, so this
+adds one program, not a family of them. Prediction keeps one loop per call: its
+``iterations_per_loop`` is how many batches the user waits for before the first results.
+
 Example:
   >>> calls_per_loop(10, 4, exact_tail=True)
   [4, 4, 2]
@@ -24,6 +30,11 @@ Example:
   9
   >>> steps_per_call(budget=2100, step_bytes=100, iterations_per_loop=1000)
   20
+  >>> loops_per_call(budget=3000, step_bytes=100, iterations_per_loop=10)
+  3
+  >>> [c.steps for c in plan_calls(iter([10] * 7 + [5, 0]).__next__, k=10, exact_tail=False,
+  ...                                  merge=3)]
+  [30, 30, 10, 4, 1]
 """
 
 from __future__ import annotations
@@ -88,6 +99,27 @@ def steps_per_call(*, budget: int, step_bytes: int, iterations_per_loop: int) ->
     return math.ceil(ipl / calls)
 
 
+MAX_LOOPS_PER_CALL = 8  # evaluation: beyond this, fewer calls no longer pay (see loops_per_call)
+
+
+def loops_per_call(*, budget: int, step_bytes: int, iterations_per_loop: int) -> int:
+    """Evaluation: how many whole loops one call runs, 1 to ``MAX_LOOPS_PER_CALL``.
+
+    Every call costs a launch, a transfer and a fetch on the host, which at a short
+    ``iterations_per_loop`` (the CNN benchmark's 10) is a tenth of evaluate's time on CPU;
+    loops that fit the budget together run as one call. Bounded so the input read before the
+    first call stays short, and whole loops left at the end need at most 7 one-loop calls.
+    """
+    fit = max(1, budget // max(1, step_bytes))
+    return max(1, min(MAX_LOOPS_PER_CALL, fit // iterations_per_loop))
+
+
+def split_steps(n: int, loop: int) -> list[int]:
+    """The calls that run ``n`` steps a call was cut to: whole loops of ``loop`` steps, then
+    the rest as powers of two (``split_steps(35, 10) == [10, 10, 10, 4, 1]``)."""
+    return [loop] * (n // loop) + powers_of_two(n % loop)
+
+
 def calls_per_loop(n: int, k: int, *, exact_tail: bool) -> list[int]:
     """The call lengths of a loop of ``n`` steps with calls of at most ``k`` steps."""
     if k <= 0:
@@ -105,10 +137,27 @@ class Call(NamedTuple):
     ends_loop: bool  # whether it is the last call of its loop
 
 
-def plan_calls(next_loop: Callable[[], int], *, k: int, exact_tail: bool) -> Iterator[Call]:
-    """The calls of successive loops; ``next_loop()`` gives each loop's steps (<= 0 ends)."""
+def plan_calls(
+    next_loop: Callable[[], int], *, k: int, exact_tail: bool, merge: int = 1
+) -> Iterator[Call]:
+    """The calls of successive loops; ``next_loop()`` gives each loop's steps (<= 0 ends).
+
+    With ``merge > 1`` (evaluation, where ``k`` is the whole loop), ``merge`` loops of ``k``
+    steps run as one call; whole loops left when a shorter loop or the end comes run one
+    per call.
+    """
+    whole = 0  # whole loops waiting to be merged
     while True:
         n = next_loop()
+        if merge > 1 and n == k:
+            whole += 1
+            if whole == merge:
+                yield Call(k * merge, k, True)
+                whole = 0
+            continue
+        for _ in range(whole):
+            yield Call(k, k, True)
+        whole = 0
         if n <= 0:
             return
         lengths = calls_per_loop(n, k, exact_tail=exact_tail)

@@ -67,7 +67,7 @@ class Programs:
                 self.mesh,
                 self.specs,
                 batch_size=batch_size,
-                unroll=self._unroll(),
+                unroll=self.unrolled(ModeKeys.TRAIN),
                 skip_nonfinite=self.config.skip_nonfinite_steps,
                 var_specs=self.var_specs,
                 input_specs=self.input_specs(),
@@ -88,7 +88,7 @@ class Programs:
                 self.specs,
                 mode=mode,
                 batch_size=batch_size,
-                unroll=self._unroll(),
+                unroll=self.unrolled(mode),
                 input_specs=self.input_specs(),
             ),
         )
@@ -111,11 +111,18 @@ class Programs:
 
         return specs(dims[0]), specs(dims[1]) if len(dims) > 1 else None
 
-    def _unroll(self) -> bool:
+    def unrolled(self, mode: str) -> bool:
+        """Whether ``mode``'s loop is unrolled: ``TPUConfig.unroll_loops``, or for ``None``
+        the training loop on CPU when it is short (<= 10 steps). XLA:CPU runs the gradient
+        convolutions of a rolled training loop about 18x slower (jax-ml/jax#12868), but
+        forward-only loops measured as fast rolled (the benchmark CNN and ResNet-18), and a
+        rolled loop compiles in the same time whatever its length, so evaluation and
+        prediction stay rolled (docs/performance.md)."""
         tpu = self.config.tpu_config
         if tpu.unroll_loops is not None:
             return tpu.unroll_loops
-        # XLA:CPU runs convolutions inside rolled loops about 18x slower.
+        if mode != ModeKeys.TRAIN:
+            return False
         return jax.default_backend() == "cpu" and tpu.iterations_per_loop <= 10
 
     def _get(self, key: tuple, build: Callable[[], Callable]) -> Callable:

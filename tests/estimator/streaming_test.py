@@ -18,6 +18,7 @@ import estimator
 import hooks as hooks_lib
 from estimator.driver import dispatch
 from estimator.engine import plan
+from estimator.engine.programs import Programs
 from tests import helpers as h
 
 BATCH = 16  # 8 replicas x 2 rows
@@ -84,6 +85,37 @@ def test_steps_per_call_fits_the_budget_and_spreads_the_loop_evenly():
 def test_default_budget_depends_on_the_platform(configured, platform, devices, per_device):
     got = plan.input_budget(configured, platform=platform, local_devices=devices)
     assert got == per_device
+
+
+@pytest.mark.parametrize(
+    "fit, ipl, merge", [(1, 1, 1), (15, 10, 1), (20, 10, 2), (35, 10, 3), (10_000, 1, 8)]
+)
+def test_loops_per_call_fits_the_budget_and_is_bounded(fit, ipl, merge):
+    got = plan.loops_per_call(budget=fit * 10, step_bytes=10, iterations_per_loop=ipl)
+    assert got == merge
+
+
+@pytest.mark.parametrize(
+    "loops, merge, expected",
+    [
+        ([4] * 7, 3, [12, 12, 4]),  # two merged calls, one whole loop left
+        ([4] * 6 + [3], 3, [12, 12, 2, 1]),  # a short last loop: powers of two
+        ([4] * 2 + [1], 3, [4, 4, 1]),  # fewer loops than a merged call
+        ([4] * 5, 1, [4] * 5),  # no merging
+    ],
+)
+def test_eval_calls_merge_whole_loops(loops, merge, expected):
+    it = iter([*loops, 0])
+    calls = list(plan.plan_calls(lambda: next(it), k=4, exact_tail=False, merge=merge))
+    assert [c.steps for c in calls] == expected
+    assert sum(c.steps for c in calls) == sum(loops)
+
+
+@pytest.mark.parametrize(
+    "n, loop, expected", [(35, 10, [10, 10, 10, 4, 1]), (7, 10, [4, 2, 1]), (20, 10, [10, 10])]
+)
+def test_a_call_cut_short_splits_into_whole_loops_then_powers_of_two(n, loop, expected):
+    assert plan.split_steps(n, loop) == expected
 
 
 def test_eval_call_lengths_are_few_whatever_the_tail():
@@ -229,9 +261,9 @@ def _eval_model_fn(mask_sums: list):
     return model_fn
 
 
-def _eval_estimator(model_dir, mask_sums, *, ipl):
+def _eval_estimator(model_dir, mask_sums, *, ipl, **tpu):
     x, y = h.make_data(n=BATCH * 4)
-    cfg = h.config(model_dir, iterations_per_loop=ipl)
+    cfg = h.config(model_dir, iterations_per_loop=ipl, tpu=tpu)
     est = estimator.TPUEstimator(
         _eval_model_fn(mask_sums),
         config=cfg,
@@ -339,3 +371,82 @@ def test_a_stop_after_a_loop_counts_only_the_loops_the_hooks_saw(tmp_path):
     reference = est.evaluate(h.eval_input_fn(x, y), steps=2)
     assert stopped["loss"] == reference["loss"]
     assert stopped["accuracy"] == reference["accuracy"]
+
+
+# ----------------------------------------------------------------------------- merged loops
+def _calls_and_loops(est, monkeypatch, x, y, **kw):
+    """evaluate()'s results, its calls' step counts and the loops (steps, losses) hooks saw."""
+    calls, hook = _spy_calls(monkeypatch), _EvalRecorder(kw.pop("stop_after", None))
+    results = est.evaluate(h.eval_input_fn(x, y), hooks=[hook], **kw)
+    return results, calls[-1], hook.loops
+
+
+@pytest.mark.parametrize(
+    "batches, steps, stop_after, merged_calls",
+    [
+        (40, None, None, [16, 16, 2, 2, 2, 2]),  # 20 loops of 2: two calls of 8 loops
+        (37, None, None, [16, 16, 2, 2, 1]),  # the input ends inside the third call
+        (40, 35, None, [16, 16, 2, 1]),  # steps= ends inside a loop
+        (40, None, 3, [16, 16]),  # a hook stops after 3 loops: the second call is dropped
+    ],
+)
+def test_evaluation_runs_several_loops_per_call_as_it_runs_one(
+    tmp_path, monkeypatch, batches, steps, stop_after, merged_calls
+):
+    """IPL 2 with a budget that fits 8 loops per call, against one loop per call: the same
+    results, and hooks see the same loops with the same steps and per-step losses."""
+    est = _eval_estimator(tmp_path, [], ipl=2)
+    x, y = h.make_data(n=batches * BATCH - 5, seed=5)  # a short last batch
+    kw = {"steps": steps, "stop_after": stop_after}
+    merged = _calls_and_loops(est, monkeypatch, x, y, **kw)
+    one_loop = estimator.TPUEstimator(  # the same checkpoint, one loop per call
+        _eval_model_fn([]),
+        config=h.config(
+            tmp_path, iterations_per_loop=2, tpu={"max_staged_input_bytes": 2 * STEP_BYTES}
+        ),
+        train_batch_size=BATCH,
+        eval_batch_size=BATCH,
+    )
+    reference = _calls_and_loops(one_loop, monkeypatch, x, y, **kw)
+    if merged_calls is not None:
+        assert merged[1] == merged_calls
+    assert max(reference[1]) == 2
+    assert merged[0] == reference[0]
+    assert [s for s, _ in merged[2]] == [s for s, _ in reference[2]]
+    for (_, a), (_, b) in zip(merged[2], reference[2], strict=True):
+        np.testing.assert_array_equal(a, b)
+    if stop_after is not None:
+        assert [s for s, _ in merged[2]] == [[1, 2], [3, 4], [5, 6]]
+        assert merged[0] == est.evaluate(h.eval_input_fn(x, y), steps=6)
+
+
+def test_unrolled_evaluation_and_prediction_run_one_loop_per_call(tmp_path, monkeypatch):
+    """An unrolled program grows with its steps, so evaluation merges only rolled loops;
+    prediction never merges (IPL is how many batches a caller waits for)."""
+    est = _eval_estimator(tmp_path / "unrolled", [], ipl=2, unroll_loops=True)
+    x, y = h.make_data(n=20 * BATCH, seed=6)
+    _, calls, loops = _calls_and_loops(est, monkeypatch, x, y)
+    assert calls == [2] * 10 and len(loops) == 10
+    rolled = _eval_estimator(tmp_path / "rolled", [], ipl=2)
+    calls = _spy_calls(monkeypatch)
+    assert len(list(rolled.predict(h.eval_input_fn(x)))) == len(x)
+    assert calls[-1] == [2] * 10
+
+
+@pytest.mark.parametrize(
+    "unroll, backend, ipl, expected",
+    [
+        (None, "cpu", 10, {"train": True, "eval": False, "infer": False}),
+        (None, "cpu", 11, {"train": False, "eval": False, "infer": False}),
+        (None, "tpu", 10, {"train": False, "eval": False, "infer": False}),
+        (True, "cpu", 100, {"train": True, "eval": True, "infer": True}),
+        (False, "cpu", 1, {"train": False, "eval": False, "infer": False}),
+    ],
+)
+def test_unroll_loops_none_unrolls_only_short_training_loops_on_cpu(
+    tmp_path, monkeypatch, unroll, backend, ipl, expected
+):
+    cfg = h.config(tmp_path, iterations_per_loop=ipl, tpu={"unroll_loops": unroll})
+    programs = Programs(model=None, mesh=None, config=cfg)  # only the config is read
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    assert {m: programs.unrolled(m) for m in expected} == expected
