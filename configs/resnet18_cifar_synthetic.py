@@ -6,8 +6,8 @@ The images and labels are random (``models.datasets.synthetic_images``), so eval
 chance (about 10%) by construction; the job measures examples per second (the
 ``global_step/sec`` summary and the step logs). BatchNorm statistics are cross-replica
 (``model_params.cross_replica_bn``). XLA:CPU runs convolutions inside a rolled loop far more
-slowly (jax-ml/jax#12868), so the loop is one step and ``unroll_loops=None`` unrolls it on
-CPU; on TPU/GPU use ``--config.iterations_per_loop=100`` (left rolled).
+slowly (jax-ml/jax#12868), so the loop is one step and ``unroll_loops=None`` unrolls the
+training loop on CPU; on TPU/GPU use ``--config.iterations_per_loop=100`` (left rolled).
 """
 
 import ml_collections
@@ -46,7 +46,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.predict_batch_size = 128
     c.max_steps = 100
     c.iterations_per_loop = 1
-    c.unroll_loops = None  # unrolled on CPU (loops of <= 10 steps), rolled elsewhere
+    c.unroll_loops = None  # training unrolled on CPU (loops of <= 10 steps), else rolled
     c.save_checkpoints_steps = 100
     c.log_step_count_steps = 10
     c.host_call_every_n_steps = 1

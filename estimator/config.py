@@ -54,9 +54,11 @@ class TPUConfig:
         ``False`` PER_SHARD_V1).
       input_partition_dims: ``[feature_dims, label_dims]`` to split inputs spatially.
       host_call_every_n_steps: run ``host_call`` only on every n-th step.
-      unroll_loops: unroll the per-loop ``lax.scan``. XLA:CPU runs convolutions inside a
-        rolled loop far slower (jax-ml/jax#12868); ``None`` unrolls on CPU only when the
-        loop is short (<= 10 steps).
+      unroll_loops: unroll the per-loop ``lax.scan`` of every mode. XLA:CPU runs the
+        gradient convolutions of a rolled training loop far slower (jax-ml/jax#12868);
+        ``None`` unrolls the training loop on CPU when it is short (<= 10 steps) and keeps
+        evaluation and prediction rolled (as fast there, and compiled once whatever the
+        loop length, so evaluation can run several loops per call).
       shard_optimizer_state: keep 1/R of the optimizer state on each of the R replicas and
         reduce-scatter gradients instead of all-reducing them (ZeRO-1/2); parameters stay
         replicated between steps. See docs/sharding.md.

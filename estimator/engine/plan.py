@@ -13,7 +13,8 @@ Call lengths come from a small set, so a second ``evaluate`` compiles nothing:
   decide it, as before);
 * in evaluation and prediction, and wherever the input ends inside a call, the tail is split
   into powers of two (13 -> 8 + 4 + 1): no step runs on a batch of padding only, and at most
-  ``log2(k) + 2`` programs exist per mode whatever the inputs' lengths.
+  ``log2(k) + 2`` programs exist per mode whatever the inputs' lengths (one more where
+  evaluation merges loops, below).
 
 Evaluation keeps no state between loops, so when several whole loops fit the budget one call
 runs up to ``MAX_LOOPS_PER_CALL`` of them (``loops_per_call``); the hooks still see each loop

@@ -115,7 +115,7 @@ class Programs:
         """Whether ``mode``'s loop is unrolled: ``TPUConfig.unroll_loops``, or for ``None``
         the training loop on CPU when it is short (<= 10 steps). XLA:CPU runs the gradient
         convolutions of a rolled training loop about 18x slower (jax-ml/jax#12868), but
-        forward-only loops measured as fast rolled (the benchmark CNN and ResNet-18), and a
+        forward-only loops measured as fast rolled (the benchmark CNN, a ResNet), and a
         rolled loop compiles in the same time whatever its length, so evaluation and
         prediction stay rolled (docs/performance.md)."""
         tpu = self.config.tpu_config
