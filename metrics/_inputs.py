@@ -26,8 +26,7 @@ def to_array(value: ArrayLike, name: str) -> np.ndarray:
         array = np.asarray(value)
     except (TypeError, ValueError) as e:
         raise TypeError(f"`{name}` could not be converted to a numpy array: {e}") from e
-    numeric = np.issubdtype(array.dtype, np.integer) or np.issubdtype(array.dtype, np.floating)
-    if not (numeric or array.dtype == np.bool_):
+    if array.dtype.kind not in "biuf":  # bool, int, uint, float (one lookup: once per batch)
         raise TypeError(f"`{name}` must be real numbers or booleans, got dtype {array.dtype}.")
     return array
 

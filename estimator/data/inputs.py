@@ -397,7 +397,7 @@ class Pipeline:
         In training a short batch is skipped and counted (an error when it is the first).
         """
         rows, pulls = self.rows_per_pull, self.pulls_per_step
-        p = 0
+        p, real = 0, False
         while p < pulls:
             lo = p * rows
             got = self._take()
@@ -420,10 +420,13 @@ class Pipeline:
                 continue
             for buf, x in zip(out, leaves):
                 buf[i, lo : lo + n] = x
-                buf[i, lo + n : lo + rows] = 0
-            mask[i, lo : lo + rows] = np.arange(rows) < n
+                if n < rows:
+                    buf[i, lo + n : lo + rows] = 0
+            mask[i, lo : lo + n] = True
+            mask[i, lo + n : lo + rows] = False
+            real = real or n > 0
             p += 1
-        if not mask[i, : pulls * rows].any():
+        if not real:
             return False
         self.global_step += 1
         copies = self.layout.copies

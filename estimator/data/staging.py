@@ -26,6 +26,20 @@ from ..parallel import multihost
 from .inputs import Chunk, Pipeline, to_devices
 
 
+def aligned_empty(shape: tuple[int, ...], dtype, align: int = 64) -> np.ndarray:
+    """``np.empty(shape, dtype)`` starting on an ``align``-byte boundary.
+
+    XLA:CPU places such a host array on a CPU device without copying it (and on every device
+    of a replicated placement, as one shared buffer); numpy's own allocations are 16-byte
+    aligned, so they are copied.
+    """
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + align, np.uint8)
+    start = -raw.ctypes.data % align
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
 class Stager:
     """Reads planned calls from a pipeline into host buffers and onto the devices.
 
@@ -48,7 +62,7 @@ class Stager:
         none when it had already ended."""
         pipe, n = self._pipe, call.steps
         rows, sig = pipe.rows_per_step, pipe.sig
-        bufs = [np.empty((n, rows, *s), d) for s, d in zip(sig.shapes, sig.dtypes)]
+        bufs = [aligned_empty((n, rows, *s), d) for s, d in zip(sig.shapes, sig.dtypes)]
         mask = np.empty((n, rows), bool)
         before, after = pipe.consumed, []
         real = 0

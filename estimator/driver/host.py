@@ -262,18 +262,17 @@ def run_host_calls(
 
 
 # ----------------------------------------------------------------------------- eval_metrics
-def batch_rows(tensors: Any, host_mask: np.ndarray, i: int) -> Any:
-    """Step ``i``'s tensors with padded rows removed.
+def batch_rows(tensors: Any, keep: np.ndarray | None, i: int) -> Any:
+    """Step ``i``'s tensors with padded rows removed (``keep``: that step's row mask, or None
+    when every row is real, so nothing is copied).
 
     A tensor whose rows equal the global batch is filtered by the padding mask; one with
     another leading size (e.g. one row per replica) is passed as it is.
     """
-    keep = host_mask[i]
-    every = bool(keep.all())  # most batches: no copy
 
     def one(v):
         v = np.asarray(v[i])
-        return v[keep] if v.shape[0] == keep.shape[0] and not every else v
+        return v if keep is None or v.shape[0] != keep.shape[0] else v[keep]
 
     if isinstance(tensors, Mapping):
         return {k: one(v) for k, v in tensors.items()}
@@ -296,11 +295,12 @@ class MetricAccumulator:
     def update_loop(self, metric_fn: Callable, tensors: Any, host_mask: np.ndarray) -> None:
         """Runs ``metric_fn`` once per eval batch of a loop that has real rows."""
         check_no_traced_values(metric_fn, _METRIC_FN)
-        for i in range(host_mask.shape[0]):
-            num_examples = int(host_mask[i].sum())
+        counts = host_mask.sum(axis=1).tolist()  # real rows per step, in one pass
+        width = host_mask.shape[1]
+        for i, num_examples in enumerate(counts):
             if num_examples:
-                rows = batch_rows(tensors, host_mask, i)
-                self.update(metric_fn, rows, num_examples, check=False)
+                keep = None if num_examples == width else host_mask[i]
+                self.update(metric_fn, batch_rows(tensors, keep, i), num_examples, check=False)
 
     def update(
         self, metric_fn: Callable, tensors: Any, num_examples: int, *, check: bool = True

@@ -12,6 +12,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..data.inputs import Chunk
+from ..data.staging import aligned_empty
 from ..errors import EstimatorValueError, NoCheckpointError
 from ..io import checkpoint as ckpt_lib
 from ..io.store import StateStore
@@ -271,14 +272,8 @@ def one_copy_on_cpu(tree: Any) -> Any:
             or next(iter(x.sharding.device_set)).platform != "cpu"
         ):
             return x
-        return jax.device_put(_aligned_copy(np.asarray(x)), x.sharding)
+        host = aligned_empty(x.shape, x.dtype)
+        host[...] = np.asarray(x)
+        return jax.device_put(host, x.sharding)
 
     return jax.tree.map(one, tree)
-
-
-def _aligned_copy(x: np.ndarray, align: int = 64) -> np.ndarray:
-    raw = np.empty(x.nbytes + align, np.uint8)
-    start = -raw.ctypes.data % align
-    out = raw[start : start + x.nbytes].view(x.dtype).reshape(x.shape)
-    out[...] = x
-    return out
