@@ -243,6 +243,26 @@ def per_step_fn(model: str, mesh: Mesh) -> Callable:
     return jax.jit(sharded, donate_argnums=0)
 
 
+def replicate(tree, mesh: Mesh):
+    """``tree`` on every device of ``mesh``. On CPU every device reads one shared buffer.
+
+    XLA:CPU places a 64-byte-aligned host array on all its devices without a copy, and the
+    eval program runs about 10% faster on one shared copy of the weights than on eight.
+    numpy's own arrays are shared or copied by chance of their alignment, which made the
+    hand-written baseline bimodal between runs; this is its fastest placement, every time.
+    """
+
+    def aligned(x):
+        x = np.asarray(x)
+        raw = np.empty(x.nbytes + 64, np.uint8)
+        start = -raw.ctypes.data % 64
+        host = raw[start : start + x.nbytes].view(x.dtype).reshape(x.shape)
+        host[...] = x
+        return host
+
+    return jax.device_put(jax.tree.map(aligned, tree), NamedSharding(mesh, P()))
+
+
 def stage_chunks(data: Dataset, n: int, mesh: Mesh) -> list[tuple[jax.Array, jax.Array]]:
     """The dataset on the devices as ``[n, GB, ...]`` chunks (``n`` must divide it)."""
     if data.batches % n:

