@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 import estimator
 import metrics
+from estimator.data.staging import aligned_empty
 
 DATA = "data"
 LEARNING_RATE = 1e-3
@@ -253,10 +254,7 @@ def replicate(tree, mesh: Mesh):
     """
 
     def aligned(x):
-        x = np.asarray(x)
-        raw = np.empty(x.nbytes + 64, np.uint8)
-        start = -raw.ctypes.data % 64
-        host = raw[start : start + x.nbytes].view(x.dtype).reshape(x.shape)
+        host = aligned_empty(np.shape(x), np.asarray(x).dtype)
         host[...] = x
         return host
 

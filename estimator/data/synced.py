@@ -35,12 +35,8 @@ class SyncedChunks:
     def __next__(self):
         chunk = None if self._ended else next(self._prefetch, None)
         self._ended = chunk is None
-        local = [0, 0, 0, 0]
-        if chunk is not None:
-            local = [chunk.steps, chunk.host_mask.shape[0], chunk.ends_loop, chunk.loop_steps]
-        # [processes, (real steps, call length, ends its loop, planned loop steps)]
-        table = multihost.gather(np.array(local, np.int64))
-        steps = table[:, 0]
+        local = 0 if chunk is None else chunk.steps
+        steps = multihost.gather(np.array([local], np.int64))[:, 0]  # real steps per process
         if self._fill:
             n = int(steps.max())
             if not n:
@@ -49,11 +45,10 @@ class SyncedChunks:
                 chunk = self._empty_chunk(n)
             elif chunk.host_mask.shape[0] > n:  # no step runs where every process pads
                 chunk = _truncated(chunk, n)
-            # Every process plans the same calls; one whose input ended takes the plan from
-            # the others.
-            chunk = chunk._replace(
-                steps=n, ends_loop=bool(table[:, 2].max()), loop_steps=int(table[:, 3].max())
-            )
+            # Every process plans the same calls; evaluation and prediction find the loops
+            # in them from the step count (driver/evaluation.py), so the steps are all that
+            # must agree.
+            chunk = chunk._replace(steps=n)
         else:
             n = int(steps.min())
             if n == 0:

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import summary
-from ..engine.state import restore_variables
+from ..engine.state import one_copy_on_cpu, restore_variables
 from ..errors import EstimatorValueError
 from ..parallel import multihost
 from ..runtime import seed_key_data
@@ -70,6 +70,7 @@ def device_loops(
         variables, global_step = restore_variables(
             job.programs, job.store, mode, chunk, batch, checkpoint_path
         )
+        variables = one_copy_on_cpu(variables)  # read by every call: one copy on CPU devices
         loop = job.programs.infer(mode, batch)
         spec = job.programs.spec(mode)
         if mode == ModeKeys.PREDICT:

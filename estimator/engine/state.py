@@ -243,13 +243,13 @@ def restore_variables(
             if not programs.traced(mode):  # trace model_fn once so its spec is known
                 abstract_variables(programs, mode, chunk, batch_size)
             variables, _ = train_state_parts(last.state)
-            return one_copy_on_cpu(_gathered(programs, variables)), last.step
+            return _gathered(programs, variables), last.step
     template = abstract_variables(programs, mode, chunk, batch_size)
     got = ckpts.restore_latest(variables=template, step=step)
     if got is None:
         raise NoCheckpointError(f"Could not find trained model in model_dir: {model_dir}")
     step, out = got
-    return one_copy_on_cpu(out["variables"]), int(np.asarray(out["meta"]["global_step"]))
+    return out["variables"], int(np.asarray(out["meta"]["global_step"]))
 
 
 def one_copy_on_cpu(tree: Any) -> Any:
@@ -259,8 +259,8 @@ def one_copy_on_cpu(tree: Any) -> Any:
     made hold a private copy per device: eight copies of the same weights fill eight times
     the cache, and a short eval program ran about 10% slower on them than on one shared
     copy (docs/performance.md). A 64-byte-aligned host array placed on every device is
-    shared without a copy (XLA:CPU's zero-copy rule). Read-only use only (evaluate and
-    predict do not donate their variables); other leaves and platforms are returned as is.
+    shared without a copy (XLA:CPU's zero-copy rule). For read-only use (the eval and predict
+    loops do not donate their variables); other leaves and platforms are returned as is.
     """
 
     def one(x: Any) -> Any:
