@@ -46,6 +46,10 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from hooks import _tensorboardx  # noqa: F401  (imports tensorboardX without torch)
+
+# isort: split
 from tensorboardX import SummaryWriter
 from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto import event_pb2

@@ -24,6 +24,10 @@ import struct
 from collections.abc import Iterator
 
 import numpy as np
+
+from hooks import _tensorboardx  # noqa: F401  (imports tensorboardX without torch)
+
+# isort: split
 from tensorboardX.crc32c import crc32c
 from tensorboardX.proto import event_pb2, types_pb2
 
