@@ -33,7 +33,7 @@ import optax
 import estimator
 import metrics
 from benchmarks import _common as C
-from estimator.engine import plan
+from estimator.data import plan
 
 SHAPE = (32, 32, 3)
 CLASSES = 10

@@ -24,7 +24,7 @@ _EXPORTS = {
     ".config": ("InputPipelineConfig", "RunConfig", "TPUConfig"),
     ".context": ("get_global_step", "padding_mask"),
     ".cross_shard_optimizer": ("CrossShardOptimizer",),
-    ".driver.host": ("TracedValueError",),
+    ".engine.traced": ("TracedValueError",),
     ".driver.preemption": ("Preempted",),
     ".errors": (
         "CheckpointError",
@@ -150,8 +150,8 @@ if TYPE_CHECKING:  # the same names, for type checkers and editors
     from .config import InputPipelineConfig, RunConfig, TPUConfig
     from .context import get_global_step, padding_mask
     from .cross_shard_optimizer import CrossShardOptimizer
-    from .driver.host import TracedValueError
     from .driver.preemption import Preempted
+    from .engine.traced import TracedValueError
     from .errors import (
         CheckpointError,
         CheckpointMismatchError,

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from . import context
-from .driver.host import check_no_traced_values, traced_value_guard
+from .engine.traced import check_no_traced_values, traced_value_guard
 from .errors import EstimatorTypeError, EstimatorValueError
 from .io.checkpoint import read_variables
 from .io.variables import flatten, unflatten_into

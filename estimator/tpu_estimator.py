@@ -30,6 +30,7 @@ from .config import RunConfig
 from .data.feeder import Feeder
 from .data.layout import batch_layouts
 from .driver.evaluation import run_eval_loops
+from .driver.export import export_saved_model
 from .driver.job import Job, TrainOutcome
 from .driver.prediction import run_predict_loops
 from .driver.training import run_train_loops
@@ -37,7 +38,6 @@ from .engine.model import ModelFn, user_params
 from .engine.programs import Programs
 from .errors import EstimatorTypeError, EstimatorValueError, NoCheckpointError
 from .io import checkpoint as ckpt_lib
-from .io.export import export_saved_model
 from .io.store import StateStore
 from .parallel import multihost
 from .parallel.mesh import make_mesh, num_replicas, single_device_mesh

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from collections.abc import Callable
@@ -10,12 +11,11 @@ import jax
 from jax.sharding import Mesh
 
 from ..config import RunConfig
-from ..engine.model import user_params
-from ..engine.plan import input_budget
 from ..input_context import InputContext
 from ..tpu_context import input_fn_context
 from .inputs import Pipeline, Prefetcher, call_input_fn
 from .layout import BatchLayout
+from .plan import input_budget
 from .staging import stream_calls
 from .synced import synced
 
@@ -46,7 +46,8 @@ class Feeder:
     def input_params(self, mode: str) -> dict:
         """input_fn's ``params``: the user's, plus ``batch_size`` when it is known and
         ``context`` (TF's TPUContext: replicas, hosts, ``current_input_fn_deployment()``)."""
-        params = user_params(self.params)
+        # A copy per call (input_fn may change it); the facade checked the user's params.
+        params = copy.deepcopy(self.params)
         layout = self.layouts[mode]
         if layout.input_batch_size is not None:
             params["batch_size"] = layout.input_batch_size

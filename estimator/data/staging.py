@@ -4,7 +4,7 @@ Each compiled call's steps are written straight into one ``[n, rows, ...]`` host
 input entry, allocated for that call (no per-batch concatenation, no stacking), and
 transferred to the devices sharded over ``"data"``; the stager keeps no reference to it
 afterwards (on CPU the device arrays may alias it, so it is never reused). ``n`` is at most
-``k``, which comes from ``TPUConfig.max_staged_input_bytes`` (see ``engine/plan.py``), so
+``k``, which comes from ``TPUConfig.max_staged_input_bytes`` (see ``data/plan.py``), so
 neither host nor device input grows with ``iterations_per_loop``.
 
 When the input ends inside a call, the steps read so far run as whole loops and then calls
@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 from jax.sharding import Mesh
 
-from ..engine import plan
 from ..parallel import multihost
+from . import plan
 from .inputs import Chunk, Pipeline, to_devices
 
 

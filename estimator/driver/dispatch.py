@@ -1,6 +1,6 @@
 """Running a loop's compiled calls back to back: the host one call behind the devices.
 
-The input side delivers a stream of chunks, one per compiled call (see ``engine/plan.py``),
+The input side delivers a stream of chunks, one per compiled call (see ``data/plan.py``),
 each marked with whether it ends its loop of ``iterations_per_loop`` steps. ``loops_of``
 groups them into loops without staging a loop's input ahead of its calls; ``dispatch`` runs
 the calls of one loop, fetching a call's outputs only once the next call is queued.

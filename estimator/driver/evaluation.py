@@ -13,8 +13,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import summary
-from ..engine.state import one_copy_on_cpu, restore_variables
+from ..engine.state import one_copy_on_cpu
 from ..errors import EstimatorValueError
+from ..io.restore import restore_variables
 from ..parallel import multihost
 from ..runtime import seed_key_data
 from ..spec import ModeKeys
@@ -38,7 +39,7 @@ def device_loops(
     pad_probe: list | None = None,
 ) -> Iterator:
     """Yields ``(chunk, outputs, global_step)`` per compiled call of EVAL or PREDICT, split
-    where a call runs several loops (evaluation, ``engine/plan.py``); the hooks run around
+    where a call runs several loops (evaluation, ``data/plan.py``); the hooks run around
     each loop of ``iterations_per_loop`` steps, one call behind the devices (docs/guide.md).
     A loop the input ends inside runs only its real steps. ``to_host`` copies a call's
     outputs to the host (default: every row, on every process).
@@ -68,7 +69,7 @@ def device_loops(
         job.model.check_labels(pipe.has_labels)
         batch = jax.tree.leaves(chunk.features)[0].shape[1] // job.num_replicas
         variables, global_step = restore_variables(
-            job.programs, job.store, mode, chunk, batch, checkpoint_path
+            job.programs, job.store, mode, (chunk.features, chunk.labels), batch, checkpoint_path
         )
         variables = one_copy_on_cpu(variables)  # read by every call: one copy on CPU devices
         loop = job.programs.infer(mode, batch)

@@ -23,10 +23,11 @@ from .. import summary
 from ..config import RunConfig
 from ..data.inputs import Chunk, Prefetcher
 from ..engine.loops import TrainState
-from ..engine.state import fresh_train_state, restore_train_state, train_state_parts
+from ..engine.state import fresh_train_state, train_state_parts
 from ..errors import EstimatorTypeError, EstimatorValueError
 from ..io.checkpoint import Checkpoints, checked_input_pulls
 from ..io.lock import TrainerLock
+from ..io.restore import restore_train_state
 from ..io.store import LastState, StateStore
 from ..parallel import multihost
 from ..scaffold import IN_MODEL_FN, fresh_init_fn
@@ -226,7 +227,9 @@ def _start(job: Job, input_fn, latest, target_fn, warm_start_from) -> _Started |
     model_batch = jax.tree.leaves(first.features)[0].shape[1] // job.num_replicas
     try:
         job.model.check_labels(pipe.has_labels)
-        restored = restore_train_state(job.programs, job.store, first, model_batch)
+        restored = restore_train_state(
+            job.programs, job.store, (first.features, first.labels), model_batch
+        )
     except BaseException:
         prefetch.close()
         raise
@@ -239,7 +242,9 @@ def _start(job: Job, input_fn, latest, target_fn, warm_start_from) -> _Started |
                 in_model_fn=job.model.noted(ModeKeys.TRAIN, IN_MODEL_FN, ()),
             )
 
-        state = fresh_train_state(job.programs, first, model_batch, init_fn)
+        state = fresh_train_state(
+            job.programs, (first.features, first.labels), model_batch, init_fn
+        )
         return _Started(_Run(state, _Position()), first, prefetch, model_batch)
     state, restored_meta = restored
     if restored_meta.get("global_step") != meta.get("global_step"):

@@ -1,21 +1,21 @@
-"""Creating, restoring and placing the training state and the variables of a model."""
+"""Creating and placing the training state and the variables of a model.
+
+Everything here traces or runs model_fn on an *example*: ``(features, labels)`` as the input
+side stacks them for one compiled call (``[steps, global_rows, ...]`` leaves; ``labels`` may
+be None). Restoring them from a checkpoint is ``io/restore.py``.
+"""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..data.inputs import Chunk
 from ..data.staging import aligned_empty
-from ..errors import EstimatorValueError, NoCheckpointError
-from ..io import checkpoint as ckpt_lib
-from ..io.store import StateStore
+from ..errors import EstimatorValueError
 from ..parallel import partitioning, zero
 from ..parallel.mesh import DATA
 from ..runtime import init_compiler_options, seed_key_data
@@ -23,28 +23,25 @@ from ..spec import ModeKeys
 from .loops import TrainState, make_fresh_train_state
 from .programs import Programs
 
-log = logging.getLogger("estimator")
+# (features, labels) of one compiled call, stacked [steps, global_rows, ...]; labels may be None.
+Example = tuple[Any, Any]
 
 
-def _replicated(mesh: Mesh, tree: Any) -> Any:
-    sharding = NamedSharding(mesh, P())
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
-
-
-def _init_args(programs: Programs, chunk: Chunk):
-    """(rng, step, features, labels) of the init program: host values and the chunk's
+def _init_args(programs: Programs, example: Example):
+    """(rng, step, features, labels) of the init program: host values and the example's
     stacked arrays (step 0's batch is taken inside the program, not by an eager slice)."""
     rng = seed_key_data(programs.config.tf_random_seed)
-    return rng, np.int32(0), chunk.features, chunk.labels
+    features, labels = example
+    return rng, np.int32(0), features, labels
 
 
-def _trace(programs: Programs, mode: str, chunk: Chunk, fn, *args):
+def _trace(programs: Programs, mode: str, example: Example, fn, *args):
     """Calls ``fn`` (which traces model_fn); a failure with ``labels=None`` in TRAIN/EVAL is
     re-raised naming the likely culprit: an input_fn that returned no labels."""
     try:
         return fn(*args)
     except Exception as e:
-        if chunk.labels is not None or mode == ModeKeys.PREDICT:
+        if example[1] is not None or mode == ModeKeys.PREDICT:
             raise
         if "labels" not in programs.model.arg_names:
             raise
@@ -67,36 +64,26 @@ def _sharded(programs: Programs, boxed: dict) -> tuple[dict, Any]:
     return partitioning.unbox(boxed), shardings
 
 
-def abstract_variables(programs: Programs, mode: str, chunk: Chunk, batch_size: int) -> dict:
+def abstract_variables(programs: Programs, mode: str, example: Example, batch_size: int) -> dict:
     """Shapes of every variable, by tracing model_fn in ``mode`` (nothing is computed)."""
     init = programs.init(mode, batch_size)
     variables, shardings = _sharded(
         programs,
-        _trace(programs, mode, chunk, jax.eval_shape, init, *_init_args(programs, chunk)),
+        _trace(programs, mode, example, jax.eval_shape, init, *_init_args(programs, example)),
     )
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), variables, shardings
     )
 
 
-def _split(variables: dict) -> tuple[Any, dict]:
+def split_params(variables: dict) -> tuple[Any, dict]:
     variables = dict(variables)
     params = variables.pop("params", {})
     return params, variables
 
 
-def _train_extras(programs: Programs, params: Any) -> dict:
-    tx = programs.spec(ModeKeys.TRAIN).train_op
-    return {
-        "opt_state": jax.eval_shape(tx.init, params),
-        "step": jax.ShapeDtypeStruct((), jnp.int32),
-        "rng": jax.ShapeDtypeStruct((2,), jnp.uint32),
-        "nonfinite": jax.ShapeDtypeStruct((), jnp.int32),
-    }
-
-
 def to_train_state(variables: dict, train: dict) -> TrainState:
-    params, rest = _split(variables)
+    params, rest = split_params(variables)
     return TrainState(
         params, rest, train["opt_state"], train["step"], train["rng"], train["nonfinite"]
     )
@@ -114,7 +101,7 @@ def train_state_parts(state: TrainState) -> tuple[dict, dict]:
 
 
 def fresh_train_state(
-    programs: Programs, chunk: Chunk, batch_size: int, make_init_fn=None
+    programs: Programs, example: Example, batch_size: int, make_init_fn=None
 ) -> TrainState:
     """Initialises every variable and the optimizer state in one compiled program.
 
@@ -125,14 +112,14 @@ def fresh_train_state(
     device.
     """
     init = programs.init(ModeKeys.TRAIN, batch_size)
-    args = _init_args(programs, chunk)
+    args = _init_args(programs, example)
     # Tracing (nothing is compiled) learns the shapes, the shardings and the spec; the
     # program below reuses this trace of model_fn.
-    boxed = _trace(programs, ModeKeys.TRAIN, chunk, jax.eval_shape, init, *args)
+    boxed = _trace(programs, ModeKeys.TRAIN, example, jax.eval_shape, init, *args)
     shapes, shardings = _sharded(programs, boxed)
     tx = programs.spec(ModeKeys.TRAIN).train_op
     params_shape = shapes.get("params", {})
-    over = _over_replicas(programs, params_shape, jax.eval_shape(tx.init, params_shape))
+    over = over_replicas(programs, params_shape, jax.eval_shape(tx.init, params_shape))
     if over is not None:
         shardings = {**shardings, "params": over[0]}
     init_fn = make_init_fn() if make_init_fn is not None else None
@@ -152,7 +139,7 @@ def fresh_train_state(
     variables, opt_state, train = program(rng, features, labels)
     if init_fn is not None:
         variables = jax.device_put(init_fn(jax.device_get(variables)), shardings)
-        params, _ = _split(variables)
+        params, _ = split_params(variables)
         opt_state = jax.jit(tx.init, out_shardings=None if over is None else over[1])(params)
     # Leaves the compiler left off the mesh (a scalar such as Adam's count may land on one
     # device) go on it, or the second loop call would see a new input sharding and compile
@@ -164,11 +151,11 @@ def fresh_train_state(
     return to_train_state(variables, {"opt_state": opt_state, **train})
 
 
-def _param_model_specs(programs: Programs) -> Any:
+def param_model_specs(programs: Programs) -> Any:
     return None if programs.var_specs is None else programs.var_specs.get("params")
 
 
-def _over_replicas(programs: Programs, params: Any, opt_state: Any) -> tuple[Any, Any] | None:
+def over_replicas(programs: Programs, params: Any, opt_state: Any) -> tuple[Any, Any] | None:
     """(params, opt_state) shardings split over replicas (``TPUConfig.shard_optimizer_state``
     / ``shard_params``); None when the state is replicated."""
     tpu, mesh = programs.config.tpu_config, programs.mesh
@@ -176,80 +163,8 @@ def _over_replicas(programs: Programs, params: Any, opt_state: Any) -> tuple[Any
         return None
     tx = programs.spec(ModeKeys.TRAIN).train_op
     return zero.state_shardings(
-        mesh, tx, params, opt_state, _param_model_specs(programs), shard_params=tpu.shard_params
+        mesh, tx, params, opt_state, param_model_specs(programs), shard_params=tpu.shard_params
     )
-
-
-def _with_shardings(tree: Any, shardings: Any) -> Any:
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
-    )
-
-
-def _gathered(programs: Programs, variables: dict) -> dict:
-    """Variables whose params are split over replicas (``shard_params``), whole again."""
-    if not programs.config.tpu_config.shard_params or programs.mesh.shape[DATA] == 1:
-        return variables
-    params, rest = _split(variables)
-    specs = zero.resolved_model_specs(params, _param_model_specs(programs))
-    whole = zero.named(programs.mesh, specs)
-    return {"params": jax.jit(lambda p: p, out_shardings=whole)(params), **rest}
-
-
-def restore_train_state(
-    programs: Programs, store: StateStore, chunk: Chunk, batch_size: int
-) -> tuple[TrainState, dict] | None:
-    """The newest readable checkpoint as a TrainState, with its meta; None if there is none."""
-    ckpts = store.writer()
-    steps = ckpts.steps()
-    if not steps:
-        return None
-    last = store.last
-    if last is not None and last.step == steps[-1]:  # what the last train() left: no reload
-        return last.state, last.meta
-    variables = abstract_variables(programs, ModeKeys.TRAIN, chunk, batch_size)
-    params, _ = _split(variables)
-    train = _replicated(programs.mesh, _train_extras(programs, params))
-    shardings = _over_replicas(programs, params, train["opt_state"])
-    if shardings is not None:  # Orbax restores each array straight into its shard layout
-        variables["params"] = _with_shardings(params, shardings[0])
-        train["opt_state"] = _with_shardings(train["opt_state"], shardings[1])
-    got = ckpts.restore_latest(variables=variables, train=train, quarantine=True)
-    if got is None:
-        return None
-    step, out = got
-    log.info("Restored checkpoint %s", ckpts.path(step))
-    return to_train_state(out["variables"], out["train"]), out["meta"]
-
-
-def restore_variables(
-    programs: Programs,
-    store: StateStore,
-    mode: str,
-    chunk: Chunk,
-    batch_size: int,
-    checkpoint_path: str | None,
-) -> tuple[dict, int]:
-    """Variables for evaluate/predict from ``checkpoint_path`` or the latest checkpoint.
-
-    Raises:
-      NoCheckpointError: no checkpoint exists (TF: "Could not find trained model").
-    """
-    model_dir, step = ckpt_lib.resolve_path(checkpoint_path, store.model_dir)
-    ckpts = store.reader(model_dir)
-    last = store.last
-    if last is not None and store.owns(model_dir) and step in (None, last.step):
-        if ckpts.newest_step() == last.step:  # the latest checkpoint is what we hold
-            if not programs.traced(mode):  # trace model_fn once so its spec is known
-                abstract_variables(programs, mode, chunk, batch_size)
-            variables, _ = train_state_parts(last.state)
-            return _gathered(programs, variables), last.step
-    template = abstract_variables(programs, mode, chunk, batch_size)
-    got = ckpts.restore_latest(variables=template, step=step)
-    if got is None:
-        raise NoCheckpointError(f"Could not find trained model in model_dir: {model_dir}")
-    step, out = got
-    return out["variables"], int(np.asarray(out["meta"]["global_step"]))
 
 
 def one_copy_on_cpu(tree: Any) -> Any:

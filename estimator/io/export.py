@@ -1,4 +1,8 @@
-"""export_saved_model and load_saved_model: the PREDICT computation, serialized by jax.export.
+"""The export format: the PREDICT computation serialized by jax.export, written and loaded.
+
+``export_saved_model`` (``driver/export.py``) restores the variables and traces model_fn;
+this module holds what does not need a model: the serving input specs, the files written
+and ``load_saved_model``.
 
 Example:
   >>> serving_input_receiver_fn = estimator.build_raw_serving_input_receiver_fn(
@@ -51,22 +55,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
-from ..data.inputs import Chunk
-from ..engine.model import step_rngs
-from ..engine.programs import Programs
-from ..engine.state import restore_variables
 from ..errors import EstimatorTypeError, EstimatorValueError
-from ..parallel.mesh import DATA, single_device_mesh
-from ..parallel.outside_compilation import forbid_host_calls
-from ..runtime import seed_key_data
-from ..spec import ModeKeys
 from . import tf_saved_model
 from . import variables as variables_lib
-from .inference import rewrite_for_inference, validate_inference_rewrite_for_variables
-from .signatures import export_signatures
-from .store import StateStore
 
 COMPUTATION_FILE = "saved_model.jax"
 VARIABLES_FILE = os.path.join("variables", "variables.npz")
@@ -96,11 +88,11 @@ def build_raw_serving_input_receiver_fn(features: Any) -> Callable[[], Any]:
       >>> fn()["x"].shape[1:]
       (6,)
     """
-    specs = _feature_specs(features)
+    specs = feature_specs(features)
     return lambda: specs
 
 
-def _feature_specs(features: Any) -> Any:
+def feature_specs(features: Any) -> Any:
     """Per-leaf ``ShapeDtypeStruct`` with canonical dtypes; checks names and ranks."""
     features = getattr(features, "features", features)
     if isinstance(features, Mapping):
@@ -129,107 +121,18 @@ def _spec(x: Any, name: str) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(tuple(x.shape), _CANONICAL.get(dtype, dtype))
 
 
-def _symbolic(specs: Any) -> Any:
+def symbolic(specs: Any) -> Any:
     (b,) = jax.export.symbolic_shape(BATCH)
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct((b, *s.shape[1:]), s.dtype), specs)
 
 
-# --------------------------------------------------------------------------- the computation
-def _restore(
-    programs: Programs, store: StateStore, specs: Any, checkpoint_path: str | None
-) -> tuple[dict, int]:
-    """The checkpoint's variables (host numpy) and global step, shaped by a 1-row trace."""
-    rows = programs.mesh.shape[DATA]
-    zeros = jax.tree.map(lambda s: np.zeros((1, rows, *s.shape[1:]), s.dtype), specs)
-    chunk = Chunk(features=zeros, labels=None, mask=None, host_mask=None, steps=1, pulls=0)
-    traced = programs.traced(ModeKeys.PREDICT)
-    variables, step = restore_variables(
-        programs, store, ModeKeys.PREDICT, chunk, 1, checkpoint_path
-    )
-    if not traced:  # predict's own trace must record the spec, not this 1-row one
-        programs.specs.pop(ModeKeys.PREDICT, None)
-    return jax.tree.map(np.asarray, jax.device_get(variables)), step
-
-
-def _predict_fn(programs: Programs, global_step: int, signatures: dict) -> Callable:
-    """``(variables, features) -> {name: array}``: model_fn in PREDICT mode on one device.
-
-    Tracing it records the export's signatures (``io/signatures.py``) in ``signatures``.
-    """
-
-    key = jax.random.wrap_key_data(seed_key_data(programs.config.tf_random_seed))
-
-    def predict(variables, features):
-        batch = jax.tree.leaves(features)[0].shape[0]
-        step = jnp.int32(global_step)
-        spec, _ = programs.model.apply(
-            variables,
-            features,
-            None,
-            mode=ModeKeys.PREDICT,
-            batch_size=batch,
-            mask=jnp.ones((batch,), jnp.float32),
-            step=step,
-            rngs=step_rngs(key, step, 0),
-        )
-        outputs, found = export_signatures(spec)
-        signatures.clear()
-        signatures.update(found)
-        for name, value in outputs.items():
-            if len(value.shape) == 0 or value.shape[0] != batch:
-                raise EstimatorValueError(
-                    f"export output {name!r} has shape {tuple(value.shape)}; every output "
-                    f"needs the batch dimension ({batch}) first"
-                )
-        return outputs
-
-    return jax.shard_map(
-        predict,
-        mesh=single_device_mesh(),
-        in_specs=(P(), P(DATA)),
-        out_specs=P(DATA),
-        axis_names={DATA},
-    )
-
-
-class _Export(NamedTuple):
+class ExportedProgram(NamedTuple):
     """The exported computation, the jitted function it came from, and what it serves."""
 
     exported: jax.export.Exported
     fn: Callable  # (variable leaves, features) -> outputs; (features) -> outputs when folded
     leaves: list | None  # the variables' values; None when folded
     signatures: dict  # signature key -> {"method", "outputs"} (io/signatures.py)
-
-
-def _export(
-    programs: Programs,
-    specs: Any,
-    variables: dict,
-    global_step: int,
-    *,
-    fold_variables: bool,
-    platforms,
-) -> _Export:
-
-    signatures: dict = {}
-    predict = _predict_fn(programs, global_step, signatures)
-    sym = _symbolic(specs)
-    kwargs = {"platforms": tuple(platforms)} if platforms else {}
-    reason = "cannot be exported: host callbacks are not serializable by jax.export"
-    with forbid_host_calls(reason):
-        if fold_variables:
-            program = rewrite_for_inference(predict, variables=variables, name="serving_default")
-            exported = jax.export.export(program.jitted, **kwargs)(sym)
-            validate_inference_rewrite_for_variables(exported, inputs=[sym])
-            return _Export(exported, program.jitted, None, signatures)
-        leaves, treedef = jax.tree.flatten(variables)
-
-        def serving_default(var_leaves, features):
-            return predict(jax.tree.unflatten(treedef, var_leaves), features)
-
-        structs = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in leaves]
-        fn = jax.jit(serving_default)
-        return _Export(jax.export.export(fn, **kwargs)(structs, sym), fn, leaves, signatures)
 
 
 # --------------------------------------------------------------------------- writing
@@ -240,7 +143,7 @@ def _describe(avals: Any) -> dict:
     }
 
 
-def _signature(export: _Export, specs, variables, global_step, fold_variables) -> dict:
+def describe_export(export: ExportedProgram, specs, variables, global_step, fold_variables) -> dict:
     exported = export.exported
     outs = jax.tree.unflatten(exported.out_tree, exported.out_avals)
     described = [
@@ -257,7 +160,7 @@ def _signature(export: _Export, specs, variables, global_step, fold_variables) -
         "signature_name": "serving_default",
         "batch_dimension": BATCH,
         "input_structure": "dict" if isinstance(specs, Mapping) else "array",
-        "inputs": {k: _describe(_symbolic(v)) for k, v in inputs.items()},
+        "inputs": {k: _describe(symbolic(v)) for k, v in inputs.items()},
         "outputs": {k: _describe(v) for k, v in outs.items()},
         "signatures": export.signatures,
         "variables": {"stored": "folded" if fold_variables else VARIABLES_FILE, "list": described},
@@ -300,7 +203,7 @@ def _reserve_dir(base: str) -> tuple[str, str]:
         ts += 1
 
 
-def _write_tf(directory: str, export: _Export, names: list[str], specs: Any) -> bool:
+def _write_tf(directory: str, export: ExportedProgram, names: list[str], specs: Any) -> bool:
     """The TF SavedModel, when TensorFlow is installed; else one log line saying how."""
     if not tf_saved_model.tensorflow_available():
         logger.warning(
@@ -323,7 +226,9 @@ def _write_tf(directory: str, export: _Export, names: list[str], specs: Any) -> 
     return True
 
 
-def _write(base: str, export: _Export, names: list[str], specs: Any, signature: dict) -> str:
+def write_export(
+    base: str, export: ExportedProgram, names: list[str], specs: Any, signature: dict
+) -> str:
     temp, final = _reserve_dir(base)
     try:
         signature["tf_saved_model"] = _write_tf(temp, export, names, specs)
@@ -349,49 +254,6 @@ def _write(base: str, export: _Export, names: list[str], specs: Any, signature: 
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
-
-
-def export_saved_model(
-    programs: Programs,
-    store: StateStore,
-    export_dir_base: str,
-    serving_input_receiver_fn: Callable,
-    checkpoint_path: str | None = None,
-    *,
-    fold_variables: bool = False,
-    platforms: tuple[str, ...] | None = None,
-) -> str:
-    """Writes the PREDICT computation, its variables and its signature; returns the directory.
-
-    Args:
-      programs: the estimator's compiled programs (its model_fn and config).
-      store: the estimator's checkpoints.
-      export_dir_base: the timestamped export directory is made inside it.
-      serving_input_receiver_fn: ``() -> features`` as shapes (see the module doc).
-      checkpoint_path: a checkpoint to export (default: the latest in ``model_dir``).
-      fold_variables: keyword-only. True folds the variables into the program as constants
-        (``rewrite_for_inference``, validated); False (default) stores them beside it.
-      platforms: keyword-only; platforms to lower for (e.g. ``("cpu", "cuda")``); default the
-        current backend's.
-
-    Raises:
-      ValueError: no checkpoint, a bad serving input, or an output without a batch dimension.
-      RuntimeError: model_fn uses ``outside_compilation`` in PREDICT mode.
-    """
-    if not callable(serving_input_receiver_fn):
-        raise EstimatorTypeError(
-            f"serving_input_receiver_fn must be callable, got {serving_input_receiver_fn!r}"
-        )
-    specs = _feature_specs(serving_input_receiver_fn())
-    variables, step = _restore(programs, store, specs, checkpoint_path)
-    export = _export(
-        programs, specs, variables, step, fold_variables=fold_variables, platforms=platforms
-    )
-    signature = _signature(export, specs, variables, step, fold_variables)
-    if jax.process_index() != 0:
-        return ""
-    names = variables_lib.names(variables)
-    return _write(str(export_dir_base), export, names, specs, signature)
 
 
 # --------------------------------------------------------------------------- loading
@@ -512,8 +374,8 @@ def load_saved_model(path: str) -> LoadedModel:
 
 
 __all__ = [
+    "ExportedProgram",
     "LoadedModel",
     "build_raw_serving_input_receiver_fn",
-    "export_saved_model",
     "load_saved_model",
 ]

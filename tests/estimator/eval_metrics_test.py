@@ -11,7 +11,6 @@ from sklearn import metrics as skm
 
 import estimator
 import metrics
-from estimator.driver import host
 from tests import helpers as h
 
 BATCH, N = 16, 100  # 100 = 6 full batches of 16 + one of 4; loops of 4 batches
@@ -185,7 +184,7 @@ def test_metric_fn_capturing_a_traced_value_is_a_clear_error(trained):
         return {"accuracy": metrics.accuracy(labels, np.asarray(box.logits).argmax(-1))}
 
     est = _estimator(model_dir, _with_metrics(metric_fn, tensors_fn))
-    with pytest.raises(host.TracedValueError, match="metric_fn uses a value computed"):
+    with pytest.raises(estimator.TracedValueError, match="metric_fn uses a value computed"):
         est.evaluate(h.eval_input_fn(x, y))
 
     def closure_model(features, labels, mode, params):
@@ -201,5 +200,5 @@ def test_metric_fn_capturing_a_traced_value_is_a_clear_error(trained):
 
         return estimator.TPUEstimatorSpec(mode, loss=traced, eval_metrics=(capturing, [labels]))
 
-    with pytest.raises(host.TracedValueError, match="metric_fn captures 'traced'"):
+    with pytest.raises(estimator.TracedValueError, match="metric_fn captures 'traced'"):
         _estimator(model_dir, closure_model).evaluate(h.eval_input_fn(x, y))

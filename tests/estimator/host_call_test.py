@@ -137,7 +137,7 @@ def test_host_fn_capturing_a_traced_value_is_a_clear_error(tmp_path):
         )
 
     est = _estimator(tmp_path, model_fn, ipl=2)
-    with pytest.raises(host.TracedValueError, match=r"host_call captures 'logits'"):
+    with pytest.raises(estimator.TracedValueError, match=r"host_call captures 'logits'"):
         est.train(_input_fn, max_steps=2)
 
 
@@ -151,7 +151,7 @@ def test_traced_value_guard_names_the_function():
     class Box:  # an object jax does not look into
         value = leaked[0]
 
-    with pytest.raises(host.TracedValueError, match="host_call uses a value computed"):
+    with pytest.raises(estimator.TracedValueError, match="host_call uses a value computed"):
         host.call_host_fn(lambda: float(Box.value), [], what="host_call")
 
 

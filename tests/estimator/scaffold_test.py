@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 import estimator
-from estimator.driver import host
 from estimator.scaffold import _source_name, flatten
 from tests import helpers as h
 
@@ -230,7 +229,7 @@ def test_scaffold_fn_capturing_a_traced_value_is_a_clear_error(tmp_path):
 
     est = _estimator(tmp_path, _with_scaffold(scaffold_fn))
     x, y = h.make_data()
-    with pytest.raises(host.TracedValueError, match=r"scaffold_fn captures 'loss'"):
+    with pytest.raises(estimator.TracedValueError, match=r"scaffold_fn captures 'loss'"):
         est.train(h.train_input_fn(x, y), max_steps=1)
 
 
@@ -245,7 +244,7 @@ def test_init_fn_capturing_a_traced_value_is_a_clear_error(tmp_path):
 
     est = _estimator(tmp_path, _with_scaffold(scaffold_fn))
     x, y = h.make_data()
-    with pytest.raises(host.TracedValueError, match="Scaffold.init_fn captures 'loss'"):
+    with pytest.raises(estimator.TracedValueError, match="Scaffold.init_fn captures 'loss'"):
         est.train(h.train_input_fn(x, y), max_steps=1)
 
 

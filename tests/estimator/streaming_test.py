@@ -16,8 +16,8 @@ import pytest
 
 import estimator
 import hooks as hooks_lib
+from estimator.data import plan
 from estimator.driver import dispatch
-from estimator.engine import plan
 from estimator.engine.programs import Programs
 from tests import helpers as h
 

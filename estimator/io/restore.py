@@ -1,0 +1,129 @@
+"""Restoring the training state and a model's variables from the checkpoints of a model_dir.
+
+The templates (shapes, dtypes and shardings) come from tracing model_fn on an example
+(``engine/state.py``); Orbax then reads each array straight into its place. What the last
+``train`` left in memory (``StateStore.last``) is used instead of a reload when it is the
+newest checkpoint.
+
+Example:
+  >>> got = restore_train_state(programs, store, (features, labels), batch_size=8)
+  >>> state, meta = got if got is not None else (fresh_train_state(...), {})
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ..engine.loops import TrainState
+from ..engine.programs import Programs
+from ..engine.state import (
+    Example,
+    abstract_variables,
+    over_replicas,
+    param_model_specs,
+    split_params,
+    to_train_state,
+    train_state_parts,
+)
+from ..errors import NoCheckpointError
+from ..parallel import zero
+from ..parallel.mesh import DATA
+from ..spec import ModeKeys
+from . import checkpoint as ckpt_lib
+from .store import StateStore
+
+log = logging.getLogger("estimator")
+
+
+def _replicated(mesh: Mesh, tree: Any) -> Any:
+    sharding = NamedSharding(mesh, P())
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+def _train_extras(programs: Programs, params: Any) -> dict:
+    tx = programs.spec(ModeKeys.TRAIN).train_op
+    return {
+        "opt_state": jax.eval_shape(tx.init, params),
+        "step": jax.ShapeDtypeStruct((), jnp.int32),
+        "rng": jax.ShapeDtypeStruct((2,), jnp.uint32),
+        "nonfinite": jax.ShapeDtypeStruct((), jnp.int32),
+    }
+
+
+def _with_shardings(tree: Any, shardings: Any) -> Any:
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+    )
+
+
+def _gathered(programs: Programs, variables: dict) -> dict:
+    """Variables whose params are split over replicas (``shard_params``), whole again."""
+    if not programs.config.tpu_config.shard_params or programs.mesh.shape[DATA] == 1:
+        return variables
+    params, rest = split_params(variables)
+    specs = zero.resolved_model_specs(params, param_model_specs(programs))
+    whole = zero.named(programs.mesh, specs)
+    return {"params": jax.jit(lambda p: p, out_shardings=whole)(params), **rest}
+
+
+def restore_train_state(
+    programs: Programs, store: StateStore, example: Example, batch_size: int
+) -> tuple[TrainState, dict] | None:
+    """The newest readable checkpoint as a TrainState, with its meta; None if there is none."""
+    ckpts = store.writer()
+    steps = ckpts.steps()
+    if not steps:
+        return None
+    last = store.last
+    if last is not None and last.step == steps[-1]:  # what the last train() left: no reload
+        return last.state, last.meta
+    variables = abstract_variables(programs, ModeKeys.TRAIN, example, batch_size)
+    params, _ = split_params(variables)
+    train = _replicated(programs.mesh, _train_extras(programs, params))
+    shardings = over_replicas(programs, params, train["opt_state"])
+    if shardings is not None:  # Orbax restores each array straight into its shard layout
+        variables["params"] = _with_shardings(params, shardings[0])
+        train["opt_state"] = _with_shardings(train["opt_state"], shardings[1])
+    got = ckpts.restore_latest(variables=variables, train=train, quarantine=True)
+    if got is None:
+        return None
+    step, out = got
+    log.info("Restored checkpoint %s", ckpts.path(step))
+    return to_train_state(out["variables"], out["train"]), out["meta"]
+
+
+def restore_variables(
+    programs: Programs,
+    store: StateStore,
+    mode: str,
+    example: Example,
+    batch_size: int,
+    checkpoint_path: str | None,
+) -> tuple[dict, int]:
+    """Variables for evaluate/predict from ``checkpoint_path`` or the latest checkpoint.
+
+    Raises:
+      NoCheckpointError: no checkpoint exists (TF: "Could not find trained model").
+    """
+    model_dir, step = ckpt_lib.resolve_path(checkpoint_path, store.model_dir)
+    ckpts = store.reader(model_dir)
+    last = store.last
+    if last is not None and store.owns(model_dir) and step in (None, last.step):
+        if ckpts.newest_step() == last.step:  # the latest checkpoint is what we hold
+            if not programs.traced(mode):  # trace model_fn once so its spec is known
+                abstract_variables(programs, mode, example, batch_size)
+            variables, _ = train_state_parts(last.state)
+            return _gathered(programs, variables), last.step
+    template = abstract_variables(programs, mode, example, batch_size)
+    got = ckpts.restore_latest(variables=template, step=step)
+    if got is None:
+        raise NoCheckpointError(f"Could not find trained model in model_dir: {model_dir}")
+    step, out = got
+    return out["variables"], int(np.asarray(out["meta"]["global_step"]))
