@@ -15,7 +15,7 @@ import pytest
 import models
 from estimator.cli import app as cli
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
 SMALL = ["--config", "digits_mlp_small"]
 # Warnings a normal run must not print: the project's own Orbax use caused these.
