@@ -55,55 +55,11 @@ _EXPORTS = {
     ".train_and_evaluate": ("EvalSpec", "TrainSpec", "train_and_evaluate"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = [
-    "CheckpointError",
-    "CheckpointMismatchError",
-    "ClassificationOutput",
-    "CrossShardOptimizer",
-    "DeviceAssignment",
-    "EstimatorError",
-    "EstimatorSpec",
-    "EvalSpec",
-    "InputContext",
-    "InputPipelineConfig",
-    "ModeKeys",
-    "ModelDirInUseError",
-    "NanLossDuringTrainingError",
-    "NoCheckpointError",
-    "PerReplica",
-    "PredictOutput",
-    "Preempted",
-    "ReduceOp",
-    "RegressionOutput",
-    "RunConfig",
-    "Scaffold",
-    "TPUClusterResolver",
-    "TPUConfig",
-    "TPUEstimator",
-    "TPUEstimatorSpec",
-    "TPUStrategy",
-    "TracedValueError",
-    "TrainSpec",
-    "WarmStartSettings",
-    "build_raw_serving_input_receiver_fn",
-    "checkpoints_iterator",
-    "get_global_step",
-    "get_replica_context",
-    "get_strategy",
-    "init_from_checkpoint",
-    "latest_checkpoint",
-    "list_variables",
-    "load_saved_model",
-    "load_variable",
-    "name_mask",
-    "named_variables",
-    "outside_compilation",
-    "padding_mask",
-    "rewrite_for_inference",
-    "summary",
-    "train_and_evaluate",
-    "validate_inference_rewrite_for_variables",
-]
+# Submodules that are public names themselves (``estimator.summary.scalar``).
+_SUBMODULES = ("summary",)
+# Derived from the table: one list of public names (the TYPE_CHECKING block at the end must
+# import the same names from the same modules; tests/estimator/architecture_test.py checks it).
+__all__ = sorted([*_MODULE_OF, *_SUBMODULES])
 
 
 def __getattr__(name: str) -> Any:
@@ -144,37 +100,55 @@ class _Package(types.ModuleType):
 sys.modules[__name__].__class__ = _Package
 
 
-if TYPE_CHECKING:  # the same names, for type checkers and editors
-    from . import summary
-    from .cluster.cluster import TPUClusterResolver
-    from .config import InputPipelineConfig, RunConfig, TPUConfig
-    from .context import get_global_step, padding_mask
-    from .cross_shard_optimizer import CrossShardOptimizer
-    from .driver.preemption import Preempted
-    from .engine.traced import TracedValueError
-    from .errors import (
-        CheckpointError,
-        CheckpointMismatchError,
-        EstimatorError,
-        NoCheckpointError,
+if TYPE_CHECKING:  # _EXPORTS spelled out for type checkers (``X as X``: re-exported)
+    from . import summary as summary
+    from .cluster.cluster import TPUClusterResolver as TPUClusterResolver
+    from .config import InputPipelineConfig as InputPipelineConfig
+    from .config import RunConfig as RunConfig
+    from .config import TPUConfig as TPUConfig
+    from .context import get_global_step as get_global_step
+    from .context import padding_mask as padding_mask
+    from .cross_shard_optimizer import CrossShardOptimizer as CrossShardOptimizer
+    from .driver.preemption import Preempted as Preempted
+    from .engine.traced import TracedValueError as TracedValueError
+    from .errors import CheckpointError as CheckpointError
+    from .errors import CheckpointMismatchError as CheckpointMismatchError
+    from .errors import EstimatorError as EstimatorError
+    from .errors import NanLossDuringTrainingError as NanLossDuringTrainingError
+    from .errors import NoCheckpointError as NoCheckpointError
+    from .export_output import ClassificationOutput as ClassificationOutput
+    from .export_output import PredictOutput as PredictOutput
+    from .export_output import RegressionOutput as RegressionOutput
+    from .input_context import InputContext as InputContext
+    from .io.checkpoint_utils import checkpoints_iterator as checkpoints_iterator
+    from .io.checkpoint_utils import latest_checkpoint as latest_checkpoint
+    from .io.checkpoint_utils import list_variables as list_variables
+    from .io.checkpoint_utils import load_variable as load_variable
+    from .io.export import (
+        build_raw_serving_input_receiver_fn as build_raw_serving_input_receiver_fn,
     )
-    from .export_output import ClassificationOutput, PredictOutput, RegressionOutput
-    from .input_context import InputContext
-    from .io.checkpoint_utils import (
-        checkpoints_iterator,
-        latest_checkpoint,
-        list_variables,
-        load_variable,
+    from .io.export import load_saved_model as load_saved_model
+    from .io.inference import rewrite_for_inference as rewrite_for_inference
+    from .io.inference import (
+        validate_inference_rewrite_for_variables as validate_inference_rewrite_for_variables,
     )
-    from .io.export import build_raw_serving_input_receiver_fn, load_saved_model
-    from .io.inference import rewrite_for_inference, validate_inference_rewrite_for_variables
-    from .io.lock import ModelDirInUseError
-    from .io.variables import name_mask, named_variables
-    from .parallel.outside_compilation import outside_compilation
-    from .parallel.replica_context import ReduceOp, get_replica_context
-    from .scaffold import Scaffold, WarmStartSettings, init_from_checkpoint
-    from .spec import EstimatorSpec, ModeKeys, TPUEstimatorSpec
-    from .strategy.device_assignment import DeviceAssignment
-    from .strategy.strategy import PerReplica, TPUStrategy, get_strategy
-    from .tpu_estimator import TPUEstimator
-    from .train_and_evaluate import EvalSpec, TrainSpec, train_and_evaluate
+    from .io.lock import ModelDirInUseError as ModelDirInUseError
+    from .io.variables import name_mask as name_mask
+    from .io.variables import named_variables as named_variables
+    from .parallel.outside_compilation import outside_compilation as outside_compilation
+    from .parallel.replica_context import ReduceOp as ReduceOp
+    from .parallel.replica_context import get_replica_context as get_replica_context
+    from .scaffold import Scaffold as Scaffold
+    from .scaffold import WarmStartSettings as WarmStartSettings
+    from .scaffold import init_from_checkpoint as init_from_checkpoint
+    from .spec import EstimatorSpec as EstimatorSpec
+    from .spec import ModeKeys as ModeKeys
+    from .spec import TPUEstimatorSpec as TPUEstimatorSpec
+    from .strategy.device_assignment import DeviceAssignment as DeviceAssignment
+    from .strategy.strategy import PerReplica as PerReplica
+    from .strategy.strategy import TPUStrategy as TPUStrategy
+    from .strategy.strategy import get_strategy as get_strategy
+    from .tpu_estimator import TPUEstimator as TPUEstimator
+    from .train_and_evaluate import EvalSpec as EvalSpec
+    from .train_and_evaluate import TrainSpec as TrainSpec
+    from .train_and_evaluate import train_and_evaluate as train_and_evaluate

@@ -91,15 +91,18 @@ def make_estimator(
     ipl: int = 4,
     params: dict | None = None,
     use_tpu: bool = True,
+    warm_start_from=None,
     **cfg,
 ) -> estimator.TPUEstimator:
-    """The tests' estimator: ``batch`` rows in every mode, ``ipl`` steps per loop, quiet
-    logging; ``cfg`` goes to ``RunConfig`` (``tpu={...}`` to ``TPUConfig``)."""
+    """The tests' estimator (the suite's one factory): ``batch`` rows in every mode, ``ipl``
+    steps per loop, quiet logging; ``cfg`` goes to ``RunConfig`` (``tpu={...}`` to
+    ``TPUConfig``)."""
     return estimator.TPUEstimator(
         model_fn,
         config=config(model_dir, iterations_per_loop=ipl, **cfg),
         params=params or {},
         use_tpu=use_tpu,
+        warm_start_from=warm_start_from,
         train_batch_size=batch,
         eval_batch_size=batch,
         predict_batch_size=batch,

@@ -1,6 +1,6 @@
 """A fresh process that trains and evaluates a small MLP once, counting XLA compilations.
 
-Run by startup_test.py: ``python -m tests.estimator._startup_job MODEL_DIR``. It uses the
+Run by compilation_test.py: ``python -m tests.estimator._startup_job MODEL_DIR``. It uses the
 default ``RunConfig`` compilation cache (so the environment decides where it is) and prints
 one JSON line: ``{"compiled", "events", "cache_hits", "names", "results"}``.
 """

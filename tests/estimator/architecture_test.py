@@ -187,17 +187,17 @@ def test_only_the_command_line_imports_the_model_zoo():
     assert importers and all(n.startswith("estimator.cli") for n in importers), importers
 
 
-def test_import_leaves_models_out_and_logging_unconfigured():
+def test_import_leaves_jax_and_models_out_and_logging_unconfigured():
     code = (
         "import logging, sys, estimator\n"
         "log = logging.getLogger('estimator')\n"
-        "print('models' in sys.modules, len(log.handlers), log.propagate,"
-        " len(logging.root.handlers))\n"
+        "print('jax' in sys.modules, 'models' in sys.modules, len(log.handlers),"
+        " log.propagate, len(logging.root.handlers))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
     )
-    assert out.stdout.split() == ["False", "0", "True", "0"]
+    assert out.stdout.split() == ["False", "False", "0", "True", "0"]
 
 
 def test_only_the_facade_touches_the_estimators_private_members():
@@ -255,3 +255,50 @@ def test_every_error_class_derives_from_estimator_error():
     assert issubclass(
         estimator.NanLossDuringTrainingError, __import__("hooks").NanLossDuringTrainingError
     )
+
+
+def _type_checking_imports() -> dict[str, set[str]]:
+    """``{".module": {names}}`` imported under ``if TYPE_CHECKING:`` in estimator/__init__.py."""
+    tree = ast.parse((PKG / "__init__.py").read_text())
+    block = next(
+        n
+        for n in tree.body
+        if isinstance(n, ast.If) and getattr(n.test, "id", None) == "TYPE_CHECKING"
+    )
+    found: dict[str, set[str]] = {}
+    for node in block.body:
+        assert isinstance(node, ast.ImportFrom) and node.level == 1, ast.dump(node)
+        module = "." + (node.module or "")
+        found.setdefault(module, set()).update(a.name for a in node.names)
+    return found
+
+
+def test_the_type_checking_block_imports_exactly_the_exports_table():
+    """``_EXPORTS`` is the one list of public names; ``__all__`` is derived from it and the
+    TYPE_CHECKING block (which type checkers read) must not drift from it."""
+    import estimator
+
+    want = {m: set(names) for m, names in estimator._EXPORTS.items()}
+    want["."] = set(estimator._SUBMODULES)  # ``from . import summary``
+    assert _type_checking_imports() == want
+    assert estimator.__all__ == sorted({*estimator._MODULE_OF, *estimator._SUBMODULES})
+
+
+def test_lazy_package_exports_every_public_name():
+    """Each public name resolves on first use (``import estimator`` imports no JAX: see the
+    fresh-process test above) to the object its module defines, and importing a submodule
+    does not hide a name it shares."""
+    import importlib
+
+    import estimator
+    import estimator.train_and_evaluate  # noqa: F401 - the module named like the function
+
+    for module, names in estimator._EXPORTS.items():
+        defined = importlib.import_module(module, "estimator")
+        for name in names:
+            assert getattr(estimator, name) is getattr(defined, name), name
+    assert estimator.summary is importlib.import_module("estimator.summary")
+    assert callable(estimator.train_and_evaluate)
+    assert estimator.TPUEstimator.__module__ == "estimator.tpu_estimator"
+    with pytest.raises(AttributeError, match="no attribute 'TPUEstimater'"):
+        estimator.TPUEstimater  # noqa: B018

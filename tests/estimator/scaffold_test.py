@@ -32,16 +32,6 @@ def _with_scaffold(scaffold_fn, *, estimator_spec=False):
     return model_fn
 
 
-def _estimator(model_dir, model_fn, *, use_tpu=True, **kw):
-    return estimator.TPUEstimator(
-        model_fn,
-        config=h.config(model_dir, iterations_per_loop=2),
-        use_tpu=use_tpu,
-        train_batch_size=BATCH,
-        **kw,
-    )
-
-
 def _spy(seen):
     """A scaffold whose init_fn records the variables it is given (after any warm start)."""
 
@@ -63,7 +53,7 @@ def source(tmp_path_factory):
     """A trained model with BatchNorm: its checkpoint is what warm starts read."""
     model_dir = tmp_path_factory.mktemp("source")
     x, y = h.make_data()
-    est = _estimator(model_dir, h.model_fn, params={"batch_norm": True})
+    est = h.make_estimator(model_dir, h.model_fn, params={"batch_norm": True}, ipl=2)
     est.train(h.train_input_fn(x, y), max_steps=6)
     values = h.params_of(est)
     values.pop("global_step")
@@ -91,14 +81,16 @@ def test_scaffold_runs_only_on_a_fresh_start(tmp_path, estimator_spec):
     x, y = h.make_data()
     model_fn = _with_scaffold(scaffold_fn, estimator_spec=estimator_spec)
     # lr 0: what init_fn set is what the checkpoint holds
-    est = _estimator(tmp_path, model_fn, use_tpu=not estimator_spec, params={"lr": 0.0})
+    est = h.make_estimator(
+        tmp_path, model_fn, use_tpu=not estimator_spec, params={"lr": 0.0}, ipl=2
+    )
     est.train(h.train_input_fn(x, y), steps=2)
     assert len(calls) == 1
     np.testing.assert_array_equal(est.get_variable_value("out/bias"), bias)
     est.train(h.train_input_fn(x, y), steps=2)  # resumes: the same estimator
-    _estimator(tmp_path, model_fn, use_tpu=not estimator_spec, params={"lr": 0.0}).train(
-        h.train_input_fn(x, y), steps=2
-    )  # resumes: a new estimator on the same model_dir
+    h.make_estimator(
+        tmp_path, model_fn, use_tpu=not estimator_spec, params={"lr": 0.0}, ipl=2
+    ).train(h.train_input_fn(x, y), steps=2)  # resumes: a new estimator on the same model_dir
     assert len(calls) == 1
     assert est.get_variable_value("global_step") == 6
 
@@ -107,11 +99,12 @@ def test_warm_start_restores_params_and_batch_statistics(tmp_path, source, caplo
     source_dir, expected = source
     x, y = h.make_data(seed=1)
     seen = []
-    est = _estimator(
+    est = h.make_estimator(
         tmp_path,
         _with_scaffold(_spy(seen)),
         params={"batch_norm": True, "lr": 0.0},
         warm_start_from=str(source_dir),
+        ipl=2,
     )
     with caplog.at_level(logging.INFO, logger="estimator"):
         est.train(h.train_input_fn(x, y), max_steps=1)
@@ -147,11 +140,12 @@ def test_warm_start_settings_regex_selects_variables_and_logs_the_rest(tmp_path,
     source_dir, expected = source
     seen = []
     settings = estimator.WarmStartSettings(str(source_dir), vars_to_warm_start=r"(hidden|out)/")
-    est = _estimator(
+    est = h.make_estimator(
         tmp_path,
         _with_scaffold(_spy(seen)),
         params={"batch_norm": True},
         warm_start_from=settings,
+        ipl=2,
     )
     x, y = h.make_data()
     with caplog.at_level(logging.INFO, logger="estimator"):
@@ -185,7 +179,9 @@ def test_init_from_checkpoint_with_an_assignment_map(tmp_path, source):
 
         return scaffold
 
-    est = _estimator(tmp_path, _with_scaffold(scaffold_fn), params={"batch_norm": True})
+    est = h.make_estimator(
+        tmp_path, _with_scaffold(scaffold_fn), params={"batch_norm": True}, ipl=2
+    )
     x, y = h.make_data()
     est.train(h.train_input_fn(x, y), max_steps=1)
     np.testing.assert_array_equal(seen[0]["hidden/kernel"], expected["hidden/kernel"])
@@ -196,7 +192,7 @@ def test_init_from_checkpoint_shape_mismatch_names_the_variable(tmp_path, source
     source_dir, _ = source
     restore = estimator.init_from_checkpoint(str(source_dir), {"hidden/": "hidden/"})
     model_fn = _with_scaffold(lambda _spec: lambda: estimator.Scaffold(init_fn=restore))
-    est = _estimator(tmp_path, model_fn, params={"batch_norm": True, "hidden": 8})
+    est = h.make_estimator(tmp_path, model_fn, params={"batch_norm": True, "hidden": 8}, ipl=2)
     x, y = h.make_data()
     shapes = r"variable 'hidden/\w+' has shape \(.*8,?\) but checkpoint .* has shape \(.*16,?\)"
     with pytest.raises(ValueError, match=shapes):
@@ -227,7 +223,7 @@ def test_scaffold_fn_capturing_a_traced_value_is_a_clear_error(tmp_path):
 
         return scaffold
 
-    est = _estimator(tmp_path, _with_scaffold(scaffold_fn))
+    est = h.make_estimator(tmp_path, _with_scaffold(scaffold_fn), ipl=2)
     x, y = h.make_data()
     with pytest.raises(estimator.TracedValueError, match=r"scaffold_fn captures 'loss'"):
         est.train(h.train_input_fn(x, y), max_steps=1)
@@ -242,14 +238,14 @@ def test_init_fn_capturing_a_traced_value_is_a_clear_error(tmp_path):
 
         return scaffold
 
-    est = _estimator(tmp_path, _with_scaffold(scaffold_fn))
+    est = h.make_estimator(tmp_path, _with_scaffold(scaffold_fn), ipl=2)
     x, y = h.make_data()
     with pytest.raises(estimator.TracedValueError, match="Scaffold.init_fn captures 'loss'"):
         est.train(h.train_input_fn(x, y), max_steps=1)
 
 
 def test_scaffold_fn_must_return_a_scaffold(tmp_path):
-    est = _estimator(tmp_path, _with_scaffold(lambda _spec: lambda: {"init_fn": None}))
+    est = h.make_estimator(tmp_path, _with_scaffold(lambda _spec: lambda: {"init_fn": None}), ipl=2)
     x, y = h.make_data()
     with pytest.raises(ValueError, match="must return an estimator.Scaffold"):
         est.train(h.train_input_fn(x, y), max_steps=1)

@@ -21,23 +21,11 @@ def trained(tmp_path_factory):
     """A checkpoint (helpers.model_fn) the estimators below evaluate; and its predictions."""
     model_dir = tmp_path_factory.mktemp("trained")
     x, y = h.make_data(n=N, seed=3)
-    est = _estimator(model_dir, h.model_fn)
+    est = h.make_estimator(model_dir, h.model_fn)
     est.train(h.train_input_fn(x, y), max_steps=4)
     logits = np.stack([p["logits"] for p in est.predict(h.eval_input_fn(x))])
     assert logits.shape == (N, 3)
     return model_dir, x, y, logits
-
-
-def _estimator(model_dir, model_fn, *, use_tpu=True, pipeline=None):
-    tpu = {} if pipeline is None else {"per_host_input_for_training": pipeline}
-    return estimator.TPUEstimator(
-        model_fn,
-        config=h.config(model_dir, iterations_per_loop=4, tpu=tpu),
-        use_tpu=use_tpu,
-        train_batch_size=BATCH,
-        eval_batch_size=BATCH,
-        predict_batch_size=BATCH,
-    )
 
 
 def _with_metrics(metric_fn, tensors_fn, *, estimator_spec=False):
@@ -81,7 +69,12 @@ def test_padded_rows_never_reach_metric_fn(trained, pipeline, use_tpu):
     calls = []
     # one device: the model_fn returns as_estimator_spec(), TF's single-device path
     recorder = _row_recorder(calls, estimator_spec=not use_tpu)
-    est = _estimator(model_dir, recorder, use_tpu=use_tpu, pipeline=pipeline)
+    est = h.make_estimator(
+        model_dir,
+        recorder,
+        use_tpu=use_tpu,
+        tpu={} if pipeline is None else {"per_host_input_for_training": pipeline},
+    )
     est.evaluate(h.eval_input_fn(x, y, with_row=True))
     # once per eval batch, in input order, each real row exactly once
     assert [len(c) for c in calls] == [16] * 6 + [4]
@@ -91,7 +84,7 @@ def test_padded_rows_never_reach_metric_fn(trained, pipeline, use_tpu):
 def test_evaluate_steps_limits_the_batches(trained):
     model_dir, x, y, _ = trained
     calls = []
-    _estimator(model_dir, _row_recorder(calls)).evaluate(
+    h.make_estimator(model_dir, _row_recorder(calls)).evaluate(
         h.eval_input_fn(x, y, with_row=True), steps=2
     )
     np.testing.assert_array_equal(np.concatenate(calls), np.arange(32))
@@ -119,7 +112,7 @@ def _library_metric_fn(labels, logits):
 
 def test_results_match_sklearn_on_the_same_predictions(trained):
     model_dir, x, y, logits = trained
-    est = _estimator(model_dir, _with_metrics(_library_metric_fn, lambda f, lb, lg: [lb, lg]))
+    est = h.make_estimator(model_dir, _with_metrics(_library_metric_fn, lambda f, lb, lg: [lb, lg]))
     results = est.evaluate(h.eval_input_fn(x, y))
 
     probs = _softmax(logits.astype(np.float64))
@@ -143,7 +136,7 @@ def test_plain_scalars_are_averaged_over_examples(trained):
     def metric_fn(row):
         return {"row_mean": row.mean(), "batch_median": float(np.median(row))}
 
-    est = _estimator(model_dir, _with_metrics(metric_fn, lambda f, lb, lg: [f["row"]]))
+    est = h.make_estimator(model_dir, _with_metrics(metric_fn, lambda f, lb, lg: [f["row"]]))
     results = est.evaluate(h.eval_input_fn(x, y, with_row=True))
     # example-weighted: the mean of all rows, not the mean of the 7 batch means
     assert results["row_mean"] == pytest.approx(np.arange(N).mean())
@@ -166,7 +159,7 @@ def test_plain_scalars_are_averaged_over_examples(trained):
 )
 def test_metric_fn_mistakes_are_clear_errors(trained, metric_fn, error, match):
     model_dir, x, y, _ = trained
-    est = _estimator(model_dir, _with_metrics(metric_fn, lambda f, lb, lg: [lb]))
+    est = h.make_estimator(model_dir, _with_metrics(metric_fn, lambda f, lb, lg: [lb]))
     with pytest.raises(error, match=match):
         est.evaluate(h.eval_input_fn(x, y))
 
@@ -183,7 +176,7 @@ def test_metric_fn_capturing_a_traced_value_is_a_clear_error(trained):
     def metric_fn(labels):
         return {"accuracy": metrics.accuracy(labels, np.asarray(box.logits).argmax(-1))}
 
-    est = _estimator(model_dir, _with_metrics(metric_fn, tensors_fn))
+    est = h.make_estimator(model_dir, _with_metrics(metric_fn, tensors_fn))
     with pytest.raises(estimator.TracedValueError, match="metric_fn uses a value computed"):
         est.evaluate(h.eval_input_fn(x, y))
 
@@ -201,4 +194,4 @@ def test_metric_fn_capturing_a_traced_value_is_a_clear_error(trained):
         return estimator.TPUEstimatorSpec(mode, loss=traced, eval_metrics=(capturing, [labels]))
 
     with pytest.raises(estimator.TracedValueError, match="metric_fn captures 'traced'"):
-        _estimator(model_dir, closure_model).evaluate(h.eval_input_fn(x, y))
+        h.make_estimator(model_dir, closure_model).evaluate(h.eval_input_fn(x, y))

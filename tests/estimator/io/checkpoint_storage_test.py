@@ -34,7 +34,7 @@ from estimator.io import lock as lock_lib
 from tests import helpers as h
 from tests.estimator import _train_job as job
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 # Orbax's asyncio helpers print "Event loop is closed" after a failed read; that is noise.
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
@@ -52,23 +52,11 @@ OPTIMIZERS = {
 }
 
 
-def _est(model_dir, *, optimizer="sgd", ipl=2, **cfg) -> estimator.TPUEstimator:
-    cfg.setdefault("save_checkpoints_steps", 2)
-    cfg.setdefault("keep_checkpoint_max", None)
-    return estimator.TPUEstimator(
-        _model_fn,
-        params={"optimizer": optimizer},
-        config=h.config(model_dir, iterations_per_loop=ipl, **cfg),
-        train_batch_size=16,
-        eval_batch_size=16,
-    )
-
-
 def _model_fn(features, labels, mode, params):
-    """The helpers' MLP with a choice of optimizer (``params['optimizer']``)."""
+    """The helpers' MLP with a choice of optimizer (``params['optimizer']``, default sgd)."""
     spec = h.model_fn(features, labels, mode, params)
     if mode == estimator.ModeKeys.TRAIN:
-        spec.train_op = OPTIMIZERS[params["optimizer"]]()
+        spec.train_op = OPTIMIZERS[params.get("optimizer", "sgd")]()
     return spec
 
 
@@ -104,10 +92,14 @@ def trained(tmp_path_factory):
     uninterrupted runs to steps 6 and 8 (the references)."""
     x, y = h.make_data()
     base = tmp_path_factory.mktemp("trained")
-    run = _est(base / "run")
+    run = h.make_estimator(
+        base / "run", model_fn=_model_fn, ipl=2, save_checkpoints_steps=2, keep_checkpoint_max=None
+    )
     run.train(h.train_input_fn(x, y), max_steps=6)
     at4 = run.evaluate(h.eval_input_fn(x, y), checkpoint_path=str(_step_dir(base / "run", 4)))
-    to8 = _est(base / "to8")
+    to8 = h.make_estimator(
+        base / "to8", model_fn=_model_fn, ipl=2, save_checkpoints_steps=2, keep_checkpoint_max=None
+    )
     to8.train(h.train_input_fn(x, y), max_steps=8)
     return {"dir": base / "run", "at4": at4, "at6": h.params_of(run), "at8": h.params_of(to8)}
 
@@ -212,7 +204,14 @@ def test_a_lock_from_another_host_holds_until_its_heartbeat_is_stale(tmp_path, c
 
 def test_the_lock_is_held_for_the_train_call_and_released_on_error(tmp_path):
     x, y = h.make_data()
-    est, other = _est(tmp_path, ipl=1), _est(tmp_path, ipl=1)
+    est, other = (
+        h.make_estimator(
+            tmp_path, ipl=1, model_fn=_model_fn, save_checkpoints_steps=2, keep_checkpoint_max=None
+        ),
+        h.make_estimator(
+            tmp_path, ipl=1, model_fn=_model_fn, save_checkpoints_steps=2, keep_checkpoint_max=None
+        ),
+    )
     seen = []
 
     class Probe(hooks.SessionRunHook):
@@ -257,7 +256,9 @@ def test_a_step_vanishing_between_listing_and_reading_is_skipped_quietly(
     monkeypatch.setattr(ckpt_lib.Checkpoints, "steps", listing_then_rotation)
     x, y = h.make_data()
     with caplog.at_level(logging.INFO, logger="estimator"):
-        got = _est(model_dir).evaluate(h.eval_input_fn(x, y))
+        got = h.make_estimator(
+            model_dir, model_fn=_model_fn, ipl=2, save_checkpoints_steps=2, keep_checkpoint_max=None
+        ).evaluate(h.eval_input_fn(x, y))
     assert got["global_step"] == 4 and got["loss"] == trained["at4"]["loss"]
     assert not _warnings(caplog)
 
@@ -267,7 +268,9 @@ def test_a_step_vanishing_between_listing_and_reading_is_skipped_quietly(
 def test_a_model_dir_with_glob_characters_fails_at_construction(tmp_path, name):
     model_dir = str(tmp_path / name)
     with pytest.raises(ValueError, match=r"model_dir .* glob"):
-        _est(model_dir)
+        h.make_estimator(
+            model_dir, model_fn=_model_fn, ipl=2, save_checkpoints_steps=2, keep_checkpoint_max=None
+        )
     with pytest.raises(ValueError, match="glob"):
         ckpt_lib.Checkpoints(model_dir)
     assert not os.path.exists(model_dir)  # nothing written that could not be read back
@@ -276,9 +279,13 @@ def test_a_model_dir_with_glob_characters_fails_at_construction(tmp_path, name):
 def test_a_model_dir_with_other_punctuation_trains_and_reads_back(tmp_path):
     x, y = h.make_data()
     model_dir = tmp_path / "run 1, lr=0.1 (#2) {a}; ~$%&+@!'"
-    est = _est(model_dir)
+    est = h.make_estimator(
+        model_dir, model_fn=_model_fn, ipl=2, save_checkpoints_steps=2, keep_checkpoint_max=None
+    )
     est.train(h.train_input_fn(x, y), max_steps=2)
-    again = _est(model_dir)
+    again = h.make_estimator(
+        model_dir, model_fn=_model_fn, ipl=2, save_checkpoints_steps=2, keep_checkpoint_max=None
+    )
     assert again.latest_checkpoint() == str(_step_dir(model_dir, 2))
     h.assert_params_close(h.params_of(again), h.params_of(est), rtol=0, atol=0)
 
@@ -286,11 +293,25 @@ def test_a_model_dir_with_other_punctuation_trains_and_reads_back(tmp_path):
 # ----------------------------------------------------------------------------- item 9
 def test_a_changed_optimizer_is_a_mismatch_not_damage(tmp_path, caplog):
     x, y = h.make_data()
-    _est(tmp_path, optimizer="adam").train(h.train_input_fn(x, y), max_steps=4)
+    h.make_estimator(
+        tmp_path,
+        params={"optimizer": "adam"},
+        model_fn=_model_fn,
+        ipl=2,
+        save_checkpoints_steps=2,
+        keep_checkpoint_max=None,
+    ).train(h.train_input_fn(x, y), max_steps=4)
     before = _on_disk(tmp_path)
     with caplog.at_level(logging.WARNING, logger="estimator"):
         with pytest.raises(estimator.CheckpointMismatchError, match="train/opt_state") as info:
-            _est(tmp_path, optimizer="adamw").train(h.train_input_fn(x, y), max_steps=8)
+            h.make_estimator(
+                tmp_path,
+                params={"optimizer": "adamw"},
+                model_fn=_model_fn,
+                ipl=2,
+                save_checkpoints_steps=2,
+                keep_checkpoint_max=None,
+            ).train(h.train_input_fn(x, y), max_steps=8)
     assert "different model_fn, params or train_op" in str(info.value)
     assert "unreadable" not in caplog.text and "Skipping" not in caplog.text
     assert _on_disk(tmp_path) == before  # nothing moved aside
@@ -310,7 +331,9 @@ def test_a_damaged_final_checkpoint_does_not_skip_the_rerun(trained, tmp_path, c
     _damage_arrays(step6)
     x, y = h.make_data()
     with caplog.at_level(logging.WARNING, logger="estimator"):
-        rerun = _est(model_dir)
+        rerun = h.make_estimator(
+            model_dir, model_fn=_model_fn, ipl=2, save_checkpoints_steps=2, keep_checkpoint_max=None
+        )
         rerun.train(h.train_input_fn(x, y), max_steps=6)  # the same call again
     assert "Skipping unreadable checkpoint at step 6" in caplog.text
     assert f"{step6.name}.unreadable" in _on_disk(model_dir)  # moved aside, not deleted
@@ -325,7 +348,9 @@ def test_a_one_byte_edit_of_the_meta_is_damage(trained, tmp_path, caplog):
     path.write_text(text.replace('"input_pulls": 6', '"input_pulls": 7'))  # still valid JSON
     x, y = h.make_data()
     with caplog.at_level(logging.WARNING, logger="estimator"):
-        resumed = _est(model_dir)
+        resumed = h.make_estimator(
+            model_dir, model_fn=_model_fn, ipl=2, save_checkpoints_steps=2, keep_checkpoint_max=None
+        )
         resumed.train(h.train_input_fn(x, y), max_steps=8)
     assert "Skipping unreadable checkpoint at step 6" in caplog.text and "checksum" in caplog.text
     h.assert_params_close(h.params_of(resumed), trained["at8"], rtol=0, atol=0)
@@ -338,7 +363,9 @@ def test_a_crafted_input_pulls_is_refused_not_fast_forwarded_forever(trained, tm
     path.write_text(json.dumps(ckpt_lib.with_checksum({**meta, "input_pulls": 10**15})))
     x, y = h.make_data()
     with _deadline(60), pytest.raises(estimator.CheckpointError, match="input_pulls") as info:
-        _est(model_dir).train(h.train_input_fn(x, y), max_steps=8)  # an endless input
+        h.make_estimator(
+            model_dir, model_fn=_model_fn, ipl=2, save_checkpoints_steps=2, keep_checkpoint_max=None
+        ).train(h.train_input_fn(x, y), max_steps=8)  # an endless input
     assert "1000000000000000" in str(info.value)
     assert str(_step_dir(model_dir, 6)) in str(info.value)
 

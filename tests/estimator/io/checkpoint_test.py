@@ -19,7 +19,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import estimator
 from estimator.io import checkpoint as ckpt_lib
 from tests import helpers as h
 
@@ -28,25 +27,21 @@ STEPS = (2, 4, 6)
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 
-def _est(model_dir) -> estimator.TPUEstimator:
-    return h.make_estimator(
-        model_dir,
-        params={"batch_norm": True},
-        ipl=2,
-        save_checkpoints_steps=2,
-        keep_checkpoint_max=None,
-    )
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A model_dir with checkpoints 2, 4, 6; the eval results of step 4; params of step 8."""
     x, y = h.make_data()
     base = tmp_path_factory.mktemp("base")
-    _est(base).train(h.train_input_fn(x, y), max_steps=6)
-    at4 = _est(base).evaluate(h.eval_input_fn(x, y), checkpoint_path=str(base / "model.ckpt-4"))
+    h.make_estimator(
+        base, params={"batch_norm": True}, ipl=2, save_checkpoints_steps=2, keep_checkpoint_max=None
+    ).train(h.train_input_fn(x, y), max_steps=6)
+    at4 = h.make_estimator(
+        base, params={"batch_norm": True}, ipl=2, save_checkpoints_steps=2, keep_checkpoint_max=None
+    ).evaluate(h.eval_input_fn(x, y), checkpoint_path=str(base / "model.ckpt-4"))
     ref = tmp_path_factory.mktemp("reference")
-    reference = _est(ref)
+    reference = h.make_estimator(
+        ref, params={"batch_norm": True}, ipl=2, save_checkpoints_steps=2, keep_checkpoint_max=None
+    )
     reference.train(h.train_input_fn(x, y), max_steps=8)
     return {"dir": base, "eval_at_4": at4, "params_at_8": h.params_of(reference), "data": (x, y)}
 
@@ -141,7 +136,13 @@ def test_evaluate_skips_a_damaged_checkpoint(trained, tmp_path, caplog, damage):
     before = _checkpoints_snapshot(model_dir)
     x, y = trained["data"]
     with caplog.at_level(logging.WARNING, logger="estimator"):
-        results = _est(model_dir).evaluate(h.eval_input_fn(x, y))
+        results = h.make_estimator(
+            model_dir,
+            params={"batch_norm": True},
+            ipl=2,
+            save_checkpoints_steps=2,
+            keep_checkpoint_max=None,
+        ).evaluate(h.eval_input_fn(x, y))
     assert results == trained["eval_at_4"]
     assert any("step 6" in r.getMessage() for r in caplog.records), caplog.text
     assert _checkpoints_snapshot(model_dir) == before  # a reader changes nothing
@@ -167,7 +168,13 @@ def test_train_resumes_from_the_previous_good_checkpoint(trained, tmp_path, capl
     damaged = _snapshot(step6)
     kept = {s: _snapshot(model_dir / f"model.ckpt-{s}") for s in (2, 4)}
     x, y = trained["data"]
-    est = _est(model_dir)
+    est = h.make_estimator(
+        model_dir,
+        params={"batch_norm": True},
+        ipl=2,
+        save_checkpoints_steps=2,
+        keep_checkpoint_max=None,
+    )
     with caplog.at_level(logging.WARNING, logger="estimator"):
         est.train(h.train_input_fn(x, y), max_steps=8)
     assert any(
@@ -189,9 +196,21 @@ def test_no_readable_checkpoint_is_an_error_never_a_fresh_start(trained, tmp_pat
     before = _snapshot(model_dir)
     x, y = trained["data"]
     with pytest.raises(ckpt_lib.CheckpointError, match="no readable checkpoint"):
-        _est(model_dir).evaluate(h.eval_input_fn(x, y))
+        h.make_estimator(
+            model_dir,
+            params={"batch_norm": True},
+            ipl=2,
+            save_checkpoints_steps=2,
+            keep_checkpoint_max=None,
+        ).evaluate(h.eval_input_fn(x, y))
     with pytest.raises(ckpt_lib.CheckpointError, match="refusing to start over"):
-        _est(model_dir).train(h.train_input_fn(x, y), max_steps=10)
+        h.make_estimator(
+            model_dir,
+            params={"batch_norm": True},
+            ipl=2,
+            save_checkpoints_steps=2,
+            keep_checkpoint_max=None,
+        ).train(h.train_input_fn(x, y), max_steps=10)
     assert _snapshot(model_dir) == before  # nothing moved aside, deleted or written
 
 
@@ -199,7 +218,16 @@ def test_get_variable_value_reads_the_newest_readable_checkpoint(trained, tmp_pa
     model_dir = _copy(trained, tmp_path)
     DAMAGE["truncated variables data"](model_dir / "model.ckpt-6")
     with caplog.at_level(logging.WARNING, logger="estimator"):
-        assert _est(model_dir).get_variable_value("global_step") == 4
+        assert (
+            h.make_estimator(
+                model_dir,
+                params={"batch_norm": True},
+                ipl=2,
+                save_checkpoints_steps=2,
+                keep_checkpoint_max=None,
+            ).get_variable_value("global_step")
+            == 4
+        )
     assert "step 6" in caplog.text
 
 
@@ -209,7 +237,16 @@ def test_reader_ignores_and_keeps_an_unfinished_write(trained, tmp_path):
     shutil.copytree(model_dir / "model.ckpt-6", unfinished)
     shutil.rmtree(unfinished / "variables")
     x, y = trained["data"]
-    assert _est(model_dir).evaluate(h.eval_input_fn(x, y))["global_step"] == 6
+    assert (
+        h.make_estimator(
+            model_dir,
+            params={"batch_norm": True},
+            ipl=2,
+            save_checkpoints_steps=2,
+            keep_checkpoint_max=None,
+        ).evaluate(h.eval_input_fn(x, y))["global_step"]
+        == 6
+    )
     assert unfinished.is_dir()  # only a trainer cleans up its own unfinished writes
 
 
@@ -235,7 +272,13 @@ def test_restore_reads_what_was_saved(trained, tmp_path):
     """Raw reads (no template) give the arrays the estimator reports, bit for bit."""
     model_dir = _copy(trained, tmp_path)
     names = ckpt_lib.read_variables(str(model_dir / "model.ckpt-4"))
-    est = _est(model_dir)
+    est = h.make_estimator(
+        model_dir,
+        params={"batch_norm": True},
+        ipl=2,
+        save_checkpoints_steps=2,
+        keep_checkpoint_max=None,
+    )
     assert names["global_step"] == 4
     latest = ckpt_lib.read_variables(str(model_dir))
     for name in est.get_variable_names():

@@ -12,10 +12,6 @@ import hooks
 from tests import helpers as h
 
 
-def _est(model_dir, model_fn=h.model_fn, *, ipl=5, **kw):
-    return h.make_estimator(model_dir, model_fn, ipl=ipl, **kw)
-
-
 def test_logging_hook_every_3_steps_with_loops_of_5(tmp_path, caplog):
     x, y = h.make_data()
     seen = []
@@ -25,7 +21,7 @@ def test_logging_hook_every_3_steps_with_loops_of_5(tmp_path, caplog):
         formatter=lambda d: seen.append(int(d["step"])) or "x",
     )
     with caplog.at_level(logging.INFO, logger="estimator"):
-        _est(tmp_path).train(h.train_input_fn(x, y), max_steps=14, hooks=[hook])
+        h.make_estimator(tmp_path, ipl=5).train(h.train_input_fn(x, y), max_steps=14, hooks=[hook])
     assert seen == [3, 6, 9, 12]
 
 
@@ -64,7 +60,7 @@ def _lifecycle(mode, loops):
 def test_lifecycle_and_request_stop_in_train(tmp_path):
     x, y = h.make_data()
     rec = _Recorder(stop_after_loops=2)
-    est = _est(tmp_path, ipl=3)
+    est = h.make_estimator(tmp_path, ipl=3)
     est.train(h.train_input_fn(x, y), max_steps=30, hooks=[rec])
     assert rec.calls == _lifecycle("train", 2)
     assert rec.steps == [[1, 2, 3], [4, 5, 6]]
@@ -73,7 +69,7 @@ def test_lifecycle_and_request_stop_in_train(tmp_path):
 
 def test_lifecycle_and_request_stop_in_evaluate_and_predict(tmp_path):
     x, y = h.make_data(n=96)
-    est = _est(tmp_path, ipl=2)
+    est = h.make_estimator(tmp_path, ipl=2)
     est.train(h.train_input_fn(x, y), max_steps=2)
     rec = _Recorder()
     est.evaluate(h.eval_input_fn(x, y), hooks=[rec])
@@ -103,7 +99,9 @@ def test_spec_hooks_and_call_hooks_run_together(tmp_path):
         return spec
 
     call_rec = _Recorder()
-    _est(tmp_path, model_fn, ipl=2).train(h.train_input_fn(x, y), max_steps=4, hooks=[call_rec])
+    h.make_estimator(tmp_path, model_fn, ipl=2).train(
+        h.train_input_fn(x, y), max_steps=4, hooks=[call_rec]
+    )
     assert spec_rec.calls == call_rec.calls == _lifecycle("train", 2)
 
 
@@ -120,7 +118,7 @@ def _nan_model_fn(bad_step):
 
 def test_nan_loss_stops_at_the_step_and_no_bad_checkpoint(tmp_path):
     x, y = h.make_data()
-    est = _est(tmp_path, _nan_model_fn(7), ipl=2, save_checkpoints_steps=2)
+    est = h.make_estimator(tmp_path, _nan_model_fn(7), ipl=2, save_checkpoints_steps=2)
     with pytest.raises(hooks.NanLossDuringTrainingError, match="step 7"):
         est.train(h.train_input_fn(x, y), max_steps=20)
     assert est.get_variable_value("global_step") == 6
@@ -130,7 +128,7 @@ def test_nan_loss_stops_at_the_step_and_no_bad_checkpoint(tmp_path):
 
 def test_nan_check_can_be_turned_off_by_skipping(tmp_path):
     x, y = h.make_data()
-    est = _est(tmp_path, _nan_model_fn(3), ipl=2, skip_nonfinite_steps=True)
+    est = h.make_estimator(tmp_path, _nan_model_fn(3), ipl=2, skip_nonfinite_steps=True)
     est.train(h.train_input_fn(x, y), max_steps=6)
     for name in est.get_variable_names():
         assert np.all(np.isfinite(est.get_variable_value(name))), name
@@ -138,7 +136,7 @@ def test_nan_check_can_be_turned_off_by_skipping(tmp_path):
 
 def test_stop_at_step_hook_lands_exactly(tmp_path):
     x, y = h.make_data()
-    est = _est(tmp_path, ipl=4)
+    est = h.make_estimator(tmp_path, ipl=4)
     est.train(h.train_input_fn(x, y), hooks=[hooks.StopAtStepHook(num_steps=6)])
     assert est.get_variable_value("global_step") == 6
     est.train(h.train_input_fn(x, y), hooks=[hooks.StopAtStepHook(last_step=9)])
@@ -154,7 +152,7 @@ def test_checkpoint_saver_hook_with_listener(tmp_path):
             saved.append(global_step)
 
     hook = hooks.CheckpointSaverHook(str(tmp_path), save_steps=4, listeners=[Listener()])
-    _est(tmp_path, ipl=2, keep_checkpoint_max=None).train(
+    h.make_estimator(tmp_path, ipl=2, keep_checkpoint_max=None).train(
         h.train_input_fn(x, y), max_steps=8, hooks=[hook]
     )
     assert saved[:2] == [4, 8]
@@ -188,7 +186,7 @@ def test_early_stopping_in_train_and_evaluate(tmp_path):
     # score decreases until round 3, then stalls; with max_steps_without_decrease=4 and 2
     # steps per round the hook stops once the best is 4+ steps old: after round 5's eval.
     model_fn, counter = _scripted_model_fn([5.0, 4.0, 3.0, 3.5, 3.6, 3.7, 3.8, 3.9, 4.0, 4.1])
-    est = _est(tmp_path, model_fn, ipl=2, save_checkpoints_steps=2)
+    est = h.make_estimator(tmp_path, model_fn, ipl=2, save_checkpoints_steps=2)
     stop = hooks.stop_if_no_decrease_hook(
         est, "score", max_steps_without_decrease=4, run_every_secs=0
     )
@@ -211,7 +209,7 @@ def test_early_stopping_in_train_and_evaluate(tmp_path):
 
 def test_train_and_evaluate_compiles_each_loop_once(tmp_path):
     x, y = h.make_data()
-    est = _est(tmp_path, ipl=2, save_checkpoints_steps=4)
+    est = h.make_estimator(tmp_path, ipl=2, save_checkpoints_steps=4)
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda name, *a, **k: compiles.append(name) if "backend_compile" in name else None
@@ -285,7 +283,7 @@ def test_logged_loss_is_the_replica_and_loop_mean(tmp_path):
             got.append(run_values.results)
 
     with _Logs() as logs:
-        _est(tmp_path, ipl=4, log_step_count_steps=4).train(
+        h.make_estimator(tmp_path, ipl=4, log_step_count_steps=4).train(
             h.train_input_fn(x, y), max_steps=4, hooks=[Loss()]
         )
     line = next(m for m in logs.lines if m.startswith("loss = "))
@@ -295,7 +293,7 @@ def test_logged_loss_is_the_replica_and_loop_mean(tmp_path):
 
 def test_progress_bar_when_asked(tmp_path, capsys):
     x, y = h.make_data()
-    _est(tmp_path, ipl=2, progress_bar=True).train(h.train_input_fn(x, y), max_steps=4)
+    h.make_estimator(tmp_path, ipl=2, progress_bar=True).train(h.train_input_fn(x, y), max_steps=4)
     err = capsys.readouterr().err
     assert "4/4" in err and "step" in err
 
@@ -328,7 +326,7 @@ def test_progress_bar_starts_after_the_compiling_loop_and_redirects_logging(monk
 
 def test_profiler_hook_writes_a_trace_for_tensorboard(tmp_path):
     x, y = h.make_data()
-    est = _est(tmp_path, ipl=2)
+    est = h.make_estimator(tmp_path, ipl=2)
     est.train(h.train_input_fn(x, y), max_steps=6, hooks=[hooks.ProfilerHook(steps=[4])])
     traces = list((tmp_path / "plugins" / "profile").glob("*/*.xplane.pb"))
     assert len(traces) == 1

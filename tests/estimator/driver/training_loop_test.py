@@ -33,19 +33,7 @@ from estimator.driver import host as host_lib
 from estimator.io import checkpoint as ckpt_lib
 from tests import helpers as h
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _est(model_dir, *, ipl=4, batch=16, model_fn=h.model_fn, params=None, **cfg):
-    cfg.setdefault("save_checkpoints_steps", 1000)
-    cfg.setdefault("keep_checkpoint_max", None)
-    return estimator.TPUEstimator(
-        model_fn,
-        config=h.config(model_dir, iterations_per_loop=ipl, **cfg),
-        train_batch_size=batch,
-        eval_batch_size=batch,
-        params=params,
-    )
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _saved_steps(model_dir) -> list[int]:
@@ -71,7 +59,9 @@ def _epochs(x, y, b: int, *, epochs: int | None = None, short: bool = True):
 def test_short_batch_inside_the_stream_is_skipped_and_training_continues(tmp_path, caplog):
     x, y = h.make_data(n=36)  # batch 16: each epoch is 2 full batches and one of 4 rows
     with caplog.at_level(logging.WARNING, logger="estimator"):
-        est = _est(tmp_path / "short", ipl=5)
+        est = h.make_estimator(
+            tmp_path / "short", ipl=5, save_checkpoints_steps=1000, keep_checkpoint_max=None
+        )
         est.train(_epochs(x, y, 16), max_steps=18)  # 8 short batches before step 18
     assert est.get_variable_value("global_step") == 18
     skipped = [r.getMessage() for r in caplog.records if "short training batch" in r.getMessage()]
@@ -84,10 +74,16 @@ def test_short_batch_inside_the_stream_is_skipped_and_training_continues(tmp_pat
     meta = ckpt_lib.Checkpoints(str(tmp_path / "short"), read_only=True).meta(18)
     assert (meta["input_pulls"], meta["skipped_pulls"]) == (26, 8)
     # A new estimator resumes past the skipped batches (the fast-forward counts them) ...
-    _est(tmp_path / "short", ipl=5).train(_epochs(x, y, 16), max_steps=24)
-    resumed = _est(tmp_path / "short", ipl=5)
+    h.make_estimator(
+        tmp_path / "short", ipl=5, save_checkpoints_steps=1000, keep_checkpoint_max=None
+    ).train(_epochs(x, y, 16), max_steps=24)
+    resumed = h.make_estimator(
+        tmp_path / "short", ipl=5, save_checkpoints_steps=1000, keep_checkpoint_max=None
+    )
     # ... and matches an independent reference: the stream without its short batches.
-    ref = _est(tmp_path / "ref", ipl=5)
+    ref = h.make_estimator(
+        tmp_path / "ref", ipl=5, save_checkpoints_steps=1000, keep_checkpoint_max=None
+    )
     ref.train(_epochs(x, y, 16, short=False), max_steps=24)
     h.assert_params_close(h.params_of(resumed), h.params_of(ref), rtol=0, atol=0)
 
@@ -114,7 +110,9 @@ def test_short_batches_in_per_host_v2_leave_every_replica_a_full_batch(tmp_path,
 def test_input_that_ends_says_at_which_step_and_that_max_steps_was_not_reached(tmp_path, caplog):
     x, y = h.make_data(n=100)
     with caplog.at_level(logging.WARNING, logger="estimator"):
-        est = _est(tmp_path, ipl=5)
+        est = h.make_estimator(
+            tmp_path, ipl=5, save_checkpoints_steps=1000, keep_checkpoint_max=None
+        )
         est.train(_epochs(x, y, 16, epochs=3), max_steps=100)
     assert est.get_variable_value("global_step") == 18  # 3 epochs of 6 full batches
     assert "Input ended at global step 18: max_steps = 100 was not reached." in caplog.messages, (
@@ -151,12 +149,13 @@ def _poisoned_model_fn(features, labels, mode, params):
 @pytest.mark.parametrize("where, named", [("params", "hidden/kernel"), ("opt_state", "opt_state/")])
 def test_nonfinite_state_with_a_finite_loss_is_never_checkpointed(tmp_path, where, named):
     x, y = h.make_data()
-    est = _est(
+    est = h.make_estimator(
         tmp_path,
         ipl=4,
         save_checkpoints_steps=4,
         model_fn=_poisoned_model_fn,
         params={"bad_step": 6, "where": where},
+        keep_checkpoint_max=None,
     )
     # Step 6 is inside the second loop; with max_steps=6 it is also the last step of the call.
     with pytest.raises(hooks.NanLossDuringTrainingError, match="global step 6") as info:
@@ -196,7 +195,7 @@ def test_finite_flags_find_every_nan_and_inf():
 def test_int64_beyond_int32_is_an_error_naming_the_entry(tmp_path):
     x, y = h.make_data()
     big = y.astype(np.int64) + 2**32  # wraps to y in int32: trained identically before
-    est = _est(tmp_path)
+    est = h.make_estimator(tmp_path, save_checkpoints_steps=1000, keep_checkpoint_max=None)
     with pytest.raises(ValueError, match=r"input batch entry \[1\] .*int64.*4294967296"):
         est.train(h.train_input_fn(x, big), max_steps=4)
     ids = {"x": x, "id": np.arange(len(x), dtype=np.int64) - 2**40}
@@ -218,12 +217,17 @@ def test_int64_is_kept_in_64_bit_mode(tmp_path):
     previous = jax.config.jax_enable_x64
     jax.config.update("jax_enable_x64", True)
     try:
-        est = _est(tmp_path / "x64", model_fn=model_fn)
+        est = h.make_estimator(
+            tmp_path / "x64",
+            model_fn=model_fn,
+            save_checkpoints_steps=1000,
+            keep_checkpoint_max=None,
+        )
         est.train(h.train_input_fn(x, y.astype(np.int64) + offset), max_steps=4)
         got = h.params_of(est)
     finally:
         jax.config.update("jax_enable_x64", previous)
-    ref = _est(tmp_path / "ref")
+    ref = h.make_estimator(tmp_path / "ref", save_checkpoints_steps=1000, keep_checkpoint_max=None)
     ref.train(h.train_input_fn(x, y), max_steps=4)
     h.assert_params_close(got, h.params_of(ref), rtol=1e-6, atol=1e-6)
 
@@ -247,7 +251,7 @@ class _SignalInWait:
 
 def test_sigterm_during_the_final_checkpoint_write_still_raises_preempted(tmp_path, monkeypatch):
     x, y = h.make_data()
-    est = _est(tmp_path, ipl=2)
+    est = h.make_estimator(tmp_path, ipl=2, save_checkpoints_steps=1000, keep_checkpoint_max=None)
     signals = _SignalInWait(monkeypatch)
     with pytest.raises(estimator.Preempted) as info:
         est.train(h.train_input_fn(x, y), max_steps=6)
@@ -258,7 +262,7 @@ def test_sigterm_during_the_final_checkpoint_write_still_raises_preempted(tmp_pa
     signals.sent = 0
     train_spec = estimator.TrainSpec(h.train_input_fn(x, y), max_steps=12)
     eval_spec = estimator.EvalSpec(h.eval_input_fn(x, y), steps=1, throttle_secs=0)
-    every_2 = _est(tmp_path, ipl=2, save_checkpoints_steps=2)
+    every_2 = h.make_estimator(tmp_path, ipl=2, save_checkpoints_steps=2, keep_checkpoint_max=None)
     with pytest.raises(estimator.Preempted) as info:
         estimator.train_and_evaluate(every_2, train_spec, eval_spec)
     assert signals.sent == 1 and info.value.global_step == 8

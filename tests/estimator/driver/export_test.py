@@ -20,7 +20,7 @@ from estimator.io.export import build_raw_serving_input_receiver_fn, load_saved_
 from estimator.parallel.outside_compilation import outside_compilation
 from tests import helpers as h
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 PREDICT_BATCH = 16
 PREDICT = "tensorflow/serving/predict"
 

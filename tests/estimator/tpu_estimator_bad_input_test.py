@@ -1,9 +1,9 @@
 """The bad-input catalogue: each mistake a user can make gives a clear error naming the culprit.
 
 Spec construction, RunConfig/TPUConfig and constructor errors are in ``spec_test.py``;
-metric_fn mistakes in ``eval_metrics_test.py``; per-batch shape/dtype/structure changes during
-training in ``inputs_test.py``. This file covers the rest, end to end through
-``train``/``evaluate``/``predict``.
+metric_fn mistakes in ``driver/evaluation_metrics_test.py``; per-batch shape/dtype/structure
+changes during training in ``data/inputs_test.py``. This file covers the rest, end to end
+through ``train``/``evaluate``/``predict``.
 """
 
 from __future__ import annotations
@@ -33,17 +33,6 @@ FEATURES_ONLY = [f for f, _ in GOOD]
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 
-def _est(model_dir, fn=h.model_fn, **kw) -> estimator.TPUEstimator:
-    return estimator.TPUEstimator(
-        fn,
-        config=h.config(model_dir, iterations_per_loop=2, keep_checkpoint_max=None),
-        train_batch_size=B,
-        eval_batch_size=B,
-        predict_batch_size=B,
-        **kw,
-    )
-
-
 def _batches(items):
     return lambda params: iter(items)
 
@@ -52,7 +41,7 @@ def _batches(items):
 def trained(tmp_path_factory) -> Path:
     """A model_dir holding checkpoint 2 of ``helpers.model_fn`` (hidden 16, SGD)."""
     model_dir = tmp_path_factory.mktemp("trained")
-    _est(model_dir).train(_batches(GOOD), max_steps=2)
+    h.make_estimator(model_dir, ipl=2, keep_checkpoint_max=None).train(_batches(GOOD), max_steps=2)
     return model_dir
 
 
@@ -133,32 +122,44 @@ def _a_file(directory: Path) -> Path:
 
 # ----------------------------------------------------------------------------- the catalogue
 def _train(fn=h.model_fn, batches=GOOD, **kw):
-    return lambda c: _est(c.fresh, fn).train(_batches(batches), max_steps=4, **kw)
+    return lambda c: h.make_estimator(c.fresh, fn, ipl=2, keep_checkpoint_max=None).train(
+        _batches(batches), max_steps=4, **kw
+    )
 
 
 def _evaluate(batches=GOOD, fn=h.model_fn, **kw):
-    return lambda c: _est(c.trained, fn).evaluate(_batches(batches), **kw)
+    return lambda c: h.make_estimator(c.trained, fn, ipl=2, keep_checkpoint_max=None).evaluate(
+        _batches(batches), **kw
+    )
 
 
 def _predict(batches=FEATURES_ONLY, fn=h.model_fn, **kw):
-    return lambda c: list(_est(c.trained, fn).predict(_batches(batches), **kw))
+    return lambda c: list(
+        h.make_estimator(c.trained, fn, ipl=2, keep_checkpoint_max=None).predict(
+            _batches(batches), **kw
+        )
+    )
 
 
 def _train_input(input_fn):
-    return lambda c: _est(c.fresh).train(input_fn, max_steps=4)
+    return lambda c: h.make_estimator(c.fresh, ipl=2, keep_checkpoint_max=None).train(
+        input_fn, max_steps=4
+    )
 
 
 CASES = [
     # model_fn and what it returns
     (
         "model_fn not callable",
-        lambda c: _est(c.fresh, "model_fn"),
+        lambda c: h.make_estimator(c.fresh, "model_fn", ipl=2, keep_checkpoint_max=None),
         TypeError,
         "model_fn must be callable",
     ),
     (
         "model_fn without features",
-        lambda c: _est(c.fresh, lambda labels, mode, params: None),
+        lambda c: h.make_estimator(
+            c.fresh, lambda labels, mode, params: None, ipl=2, keep_checkpoint_max=None
+        ),
         ValueError,
         "'features'",
     ),
@@ -293,14 +294,16 @@ CASES = [
     ),
     (
         "steps as a string",
-        lambda c: _est(c.fresh).train(_batches(GOOD), steps="10"),
+        lambda c: h.make_estimator(c.fresh, ipl=2, keep_checkpoint_max=None).train(
+            _batches(GOOD), steps="10"
+        ),
         TypeError,
         "steps must be an int",
     ),
     ("evaluate steps=0", _evaluate(steps=0), ValueError, "steps > 0"),
     (
         "params not a dict",
-        lambda c: _est(c.fresh, params=["lr", 0.1]),
+        lambda c: h.make_estimator(c.fresh, params=["lr", 0.1], ipl=2, keep_checkpoint_max=None),
         TypeError,
         "params must be a dict",
     ),
@@ -329,19 +332,25 @@ CASES = [
     # checkpoints
     (
         "evaluate without a checkpoint",
-        lambda c: _est(c.fresh).evaluate(_batches(GOOD)),
+        lambda c: h.make_estimator(c.fresh, ipl=2, keep_checkpoint_max=None).evaluate(
+            _batches(GOOD)
+        ),
         ValueError,
         "Could not find trained model",
     ),
     (
         "predict without a checkpoint",
-        lambda c: list(_est(c.fresh).predict(_batches(FEATURES_ONLY))),
+        lambda c: list(
+            h.make_estimator(c.fresh, ipl=2, keep_checkpoint_max=None).predict(
+                _batches(FEATURES_ONLY)
+            )
+        ),
         ValueError,
         "Could not find trained model",
     ),
     (
         "checkpoint_path step that does not exist",
-        lambda c: _est(c.trained).evaluate(
+        lambda c: h.make_estimator(c.trained, ipl=2, keep_checkpoint_max=None).evaluate(
             _batches(GOOD), checkpoint_path=str(c.trained / "model.ckpt-99")
         ),
         ValueError,
@@ -349,27 +358,33 @@ CASES = [
     ),
     (
         "checkpoint_path that is not a checkpoint",
-        lambda c: _est(c.trained).evaluate(_batches(GOOD), checkpoint_path=str(c.fresh)),
+        lambda c: h.make_estimator(c.trained, ipl=2, keep_checkpoint_max=None).evaluate(
+            _batches(GOOD), checkpoint_path=str(c.fresh)
+        ),
         ValueError,
         "is not a checkpoint",
     ),
     (
         "get_variable_value of an unknown name",
-        lambda c: _est(c.trained).get_variable_value("hiden/kernel"),
+        lambda c: h.make_estimator(c.trained, ipl=2, keep_checkpoint_max=None).get_variable_value(
+            "hiden/kernel"
+        ),
         ValueError,
         r"'hiden/kernel' not found.*similar: \['hidden/kernel'",
     ),
     (
         "warm_start_from a missing path",
-        lambda c: _est(c.fresh, warm_start_from=str(c.fresh / "nowhere")).train(
-            _batches(GOOD), max_steps=2
-        ),
+        lambda c: h.make_estimator(
+            c.fresh, warm_start_from=str(c.fresh / "nowhere"), ipl=2, keep_checkpoint_max=None
+        ).train(_batches(GOOD), max_steps=2),
         ValueError,
         "nowhere",
     ),
     (
         "model_dir is a file",
-        lambda c: _est(_a_file(c.fresh)).train(_batches(GOOD), max_steps=2),
+        lambda c: h.make_estimator(_a_file(c.fresh), ipl=2, keep_checkpoint_max=None).train(
+            _batches(GOOD), max_steps=2
+        ),
         NotADirectoryError,
         "model_dir is not a directory: .*a_file",
     ),
@@ -418,7 +433,7 @@ MISMATCHES = [
 )
 def test_unrelated_checkpoint_in_model_dir_names_the_mismatch(ctx, call, make, match):
     fn, params = make()
-    est = _est(ctx.trained, fn, params=params)
+    est = h.make_estimator(ctx.trained, fn, params=params, ipl=2, keep_checkpoint_max=None)
     before = _snapshot(ctx.trained)
     with pytest.raises(CheckpointMismatchError, match=match) as info:
         if call == "train":
@@ -436,7 +451,7 @@ def test_explicit_checkpoint_path_to_a_damaged_step_is_an_error_not_a_fallback(c
     manifest = ctx.trained / "model.ckpt-2" / "variables" / "manifest.ocdbt"
     manifest.write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match="model.ckpt-2"):
-        _est(ctx.trained).evaluate(
+        h.make_estimator(ctx.trained, ipl=2, keep_checkpoint_max=None).evaluate(
             _batches(GOOD), checkpoint_path=str(ctx.trained / "model.ckpt-2")
         )
 
@@ -447,7 +462,7 @@ def test_max_steps_below_the_current_step_is_a_logged_no_op(ctx, caplog):
     def input_fn(params):
         raise AssertionError("input_fn must not be called")
 
-    est = _est(ctx.trained)
+    est = h.make_estimator(ctx.trained, ipl=2, keep_checkpoint_max=None)
     with caplog.at_level(logging.INFO, logger="estimator"):
         assert est.train(input_fn, max_steps=1) is est
     assert "Skipping training since max_steps has already saved (step 2; max_steps 1)" in (

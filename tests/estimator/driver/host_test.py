@@ -61,11 +61,6 @@ def _model_fn(calls, *, as_dict=False, estimator_spec=False, fail_at=None, sleep
     return model_fn
 
 
-def _estimator(model_dir, model_fn, *, ipl, every_n=1, use_tpu=True):
-    cfg = h.config(model_dir, iterations_per_loop=ipl, tpu={"host_call_every_n_steps": every_n})
-    return estimator.TPUEstimator(model_fn, config=cfg, use_tpu=use_tpu, train_batch_size=BATCH)
-
-
 @pytest.mark.parametrize(
     "ipl, every_n, as_dict",
     [(1, 1, False), (7, 1, True), (7, 3, False)],
@@ -73,7 +68,12 @@ def _estimator(model_dir, model_fn, *, ipl, every_n=1, use_tpu=True):
 )
 def test_host_call_gets_every_steps_rows_in_order(tmp_path, ipl, every_n, as_dict):
     calls = []
-    est = _estimator(tmp_path, _model_fn(calls, as_dict=as_dict), ipl=ipl, every_n=every_n)
+    est = h.make_estimator(
+        tmp_path,
+        _model_fn(calls, as_dict=as_dict),
+        ipl=ipl,
+        tpu={"host_call_every_n_steps": every_n},
+    )
     est.train(_input_fn, max_steps=10)
 
     called = [s for s in range(1, 11) if s % every_n == 0]  # global step after the step
@@ -91,10 +91,10 @@ def test_host_call_gets_every_steps_rows_in_order(tmp_path, ipl, every_n, as_dic
 def test_rows_match_what_one_device_sees(tmp_path):
     """use_tpu=False with as_estimator_spec(): the same rows, steps and (mean) loss."""
     replicated, single = [], []
-    _estimator(tmp_path / "8", _model_fn(replicated), ipl=3).train(_input_fn, max_steps=5)
-    _estimator(tmp_path / "1", _model_fn(single, estimator_spec=True), ipl=3, use_tpu=False).train(
-        _input_fn, max_steps=5
-    )
+    h.make_estimator(tmp_path / "8", _model_fn(replicated), ipl=3).train(_input_fn, max_steps=5)
+    h.make_estimator(
+        tmp_path / "1", _model_fn(single, estimator_spec=True), ipl=3, use_tpu=False
+    ).train(_input_fn, max_steps=5)
     assert len(single) == len(replicated) == 5
     for one, many in zip(single, replicated, strict=True):
         np.testing.assert_array_equal(one["row"], many["row"])
@@ -105,14 +105,14 @@ def test_rows_match_what_one_device_sees(tmp_path):
 
 def test_train_returns_after_every_host_call(tmp_path):
     calls = []
-    est = _estimator(tmp_path, _model_fn(calls, sleep=0.05), ipl=4)
+    est = h.make_estimator(tmp_path, _model_fn(calls, sleep=0.05), ipl=4)
     est.train(_input_fn, max_steps=12)
     assert [int(c["gs"][0]) + 1 for c in calls] == list(range(1, 13))
 
 
 def test_host_call_error_stops_training_with_original_traceback(tmp_path):
     calls = []
-    est = _estimator(tmp_path, _model_fn(calls, fail_at=3, sleep=0.01), ipl=2)
+    est = h.make_estimator(tmp_path, _model_fn(calls, fail_at=3, sleep=0.01), ipl=2)
     with pytest.raises(KeyError, match="host_fn failed at step 3") as info:
         est.train(_input_fn, max_steps=400)
     frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
@@ -136,7 +136,7 @@ def test_host_fn_capturing_a_traced_value_is_a_clear_error(tmp_path):
             mode, loss=loss, train_op=optax.sgd(0.1), host_call=(host_fn, [features["row"]])
         )
 
-    est = _estimator(tmp_path, model_fn, ipl=2)
+    est = h.make_estimator(tmp_path, model_fn, ipl=2)
     with pytest.raises(estimator.TracedValueError, match=r"host_call captures 'logits'"):
         est.train(_input_fn, max_steps=2)
 

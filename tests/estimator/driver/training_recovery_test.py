@@ -23,24 +23,13 @@ from estimator.data.inputs import decode_state, encode_state
 from estimator.driver.preemption import EXIT_STATUS, Preempted
 from tests import helpers as h
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> str:
     """A compilation cache the training subprocesses share (they compile the same loops)."""
     return str(tmp_path_factory.mktemp("compilation_cache"))
-
-
-def _est(model_dir, *, ipl=2, batch=16, **cfg) -> estimator.TPUEstimator:
-    cfg.setdefault("save_checkpoints_steps", 2)
-    cfg.setdefault("keep_checkpoint_max", None)
-    return estimator.TPUEstimator(
-        h.model_fn,
-        config=h.config(model_dir, iterations_per_loop=ipl, **cfg),
-        train_batch_size=batch,
-        eval_batch_size=batch,
-    )
 
 
 def _saved_steps(model_dir) -> list[int]:
@@ -70,7 +59,9 @@ def test_sigterm_checkpoints_at_the_loop_boundary_and_exits(tmp_path):
     x, y = h.make_data()
     previous = signal.getsignal(signal.SIGTERM)
     hook = _SigtermAt(6)
-    est = _est(tmp_path / "run", save_checkpoints_steps=100)
+    est = h.make_estimator(
+        tmp_path / "run", save_checkpoints_steps=100, ipl=2, keep_checkpoint_max=None
+    )
     with pytest.raises(Preempted) as info:
         est.train(h.train_input_fn(x, y), max_steps=10, hooks=[hook])
     assert isinstance(info.value, SystemExit) and info.value.code == EXIT_STATUS == 143
@@ -80,9 +71,13 @@ def test_sigterm_checkpoints_at_the_loop_boundary_and_exits(tmp_path):
     assert signal.getsignal(signal.SIGTERM) is previous  # the handler is removed again
 
     # The same command again resumes and ends exactly where an uninterrupted run does.
-    resumed = _est(tmp_path / "run", save_checkpoints_steps=100)
+    resumed = h.make_estimator(
+        tmp_path / "run", save_checkpoints_steps=100, ipl=2, keep_checkpoint_max=None
+    )
     resumed.train(h.train_input_fn(x, y), max_steps=10)
-    straight = _est(tmp_path / "straight", save_checkpoints_steps=100)
+    straight = h.make_estimator(
+        tmp_path / "straight", save_checkpoints_steps=100, ipl=2, keep_checkpoint_max=None
+    )
     straight.train(h.train_input_fn(x, y), max_steps=10)
     h.assert_params_close(h.params_of(resumed), h.params_of(straight), rtol=0, atol=0)
 
@@ -133,7 +128,7 @@ def _data_with(bad_value: float, row: int):
 @pytest.mark.parametrize("bad_value", [np.nan, np.inf])
 def test_nonfinite_loss_stops_at_its_step_before_any_checkpoint_of_it(tmp_path, bad_value):
     x, y = _data_with(bad_value, row=16 * 5 + 3)  # batch 5 = global step 6 (loop 5-8)
-    est = _est(tmp_path, ipl=4)
+    est = h.make_estimator(tmp_path, ipl=4, save_checkpoints_steps=2, keep_checkpoint_max=None)
     with pytest.raises(hooks.NanLossDuringTrainingError, match="global step 6") as info:
         est.train(h.train_input_fn(x, y), max_steps=12)
     assert info.value.global_step == 6
@@ -179,9 +174,18 @@ def test_skip_nonfinite_steps_skips_on_every_replica_and_counts(tmp_path):
     bad = ({"x": batches[2][0]["x"].copy()}, batches[2][1])
     bad[0]["x"][11, 0] = np.nan  # one row, held by replica 5 of 8: every replica must skip
     with_bad = batches[:2] + [bad] + batches[3:]
-    est = _est(tmp_path / "skip", ipl=1, skip_nonfinite_steps=True, save_summary_steps=1)
+    est = h.make_estimator(
+        tmp_path / "skip",
+        ipl=1,
+        skip_nonfinite_steps=True,
+        save_summary_steps=1,
+        save_checkpoints_steps=2,
+        keep_checkpoint_max=None,
+    )
     est.train(lambda params: iter(with_bad), max_steps=6)
-    reference = _est(tmp_path / "ref", ipl=1)
+    reference = h.make_estimator(
+        tmp_path / "ref", ipl=1, save_checkpoints_steps=2, keep_checkpoint_max=None
+    )
     reference.train(lambda params: iter(batches[:2] + batches[3:]), max_steps=5)
     got, want = h.params_of(est), h.params_of(reference)
     assert got.pop("global_step") == 6 and want.pop("global_step") == 5
@@ -247,7 +251,9 @@ def test_get_state_set_state_positions_the_input(tmp_path):
         loaders.append(Loader(x, y, params["batch_size"], as_bytes=as_bytes))
         return loaders[-1]
 
-    first = _est(tmp_path / "run", ipl=2, save_checkpoints_steps=4)
+    first = h.make_estimator(
+        tmp_path / "run", ipl=2, save_checkpoints_steps=4, keep_checkpoint_max=None
+    )
     ahead = _WaitForReadAhead(loaders, step=4)
     first.train(input_fn, max_steps=8, hooks=[ahead])
     assert ahead.position_at_save > 4  # the loader had been read past step 4 when it was saved
@@ -255,10 +261,14 @@ def test_get_state_set_state_positions_the_input(tmp_path):
     saved = decode_state(meta["input_state"])
     assert (json.loads(saved) if as_bytes else saved)["position"] == 4  # consumed, not read
 
-    resumed = _est(tmp_path / "run", ipl=2, save_checkpoints_steps=4)
+    resumed = h.make_estimator(
+        tmp_path / "run", ipl=2, save_checkpoints_steps=4, keep_checkpoint_max=None
+    )
     resumed.train(input_fn, max_steps=16)
     assert loaders[1].restored and loaders[1].served[0] == 8  # set_state, no fast-forward
-    straight = _est(tmp_path / "straight", ipl=2, save_checkpoints_steps=4)
+    straight = h.make_estimator(
+        tmp_path / "straight", ipl=2, save_checkpoints_steps=4, keep_checkpoint_max=None
+    )
     straight.train(h.train_input_fn(x, y), max_steps=16)
     h.assert_params_close(h.params_of(resumed), h.params_of(straight), rtol=0, atol=0)
 

@@ -26,7 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MAX_STEPS = 40
 
 
