@@ -2,24 +2,29 @@
 
 Run from the repository root::
 
-    python -m benchmarks.sharded_state [--quick] [--repeats N] [--no-memory]
+    python -m benchmarks.sharded_state [--quick] [--repeats N] [--no-memory] [--memory-only]
 
-One ``TPUEstimator`` per layout on every device, the same model_fn (an MLP, 64-1024-1024-10
-with Adam: 1.1 M parameters, 4.3 MiB, and 8.6 MiB of Adam state), the same batches (global
+One ``TPUEstimator`` per layout on every device, the same model_fn (an MLP, 1024-2048-2048-10
+with Adam: 6.3 M parameters, 24 MiB, and 48 MiB of Adam state), the same batches (global
 batch 128), at ``iterations_per_loop`` 100:
 
 * ``replicated``: every replica holds all parameters and all optimizer state (the default);
 * ``shard_optimizer_state``: ZeRO-1/2, gradients reduce-scattered, 1/R of the Adam state each;
-* ``shard_params``: ZeRO-3 / FSDP, the parameters split too, gathered for each step.
+* ``shard_params``: ZeRO-3 / FSDP, the parameters split too, each gathered where it is used.
 
 Columns: steady-state examples/s (median over interleaved repeats, timed between the first
 and the last device loop of each ``train`` call) and its ratio to ``replicated`` within each
 repeat; the bytes one device holds of the parameters and of the optimizer state between steps
-(the shards of the live state); and the compiled train loop's bytes per device from XLA's
-``memory_analysis()`` (arguments + outputs - donated aliases + temporaries: the program's peak
-on one device, activations and gradients included). With ``--no-memory`` off, each layout
-also runs in a fresh process whose peak is measured: ``peak_bytes_in_use`` of device 0 on a
-GPU/TPU, host peak RSS growth on CPU (all simulated devices share that one process).
+(the shards of the live state); the compiled train loop's bytes per device from XLA's
+``memory_analysis()`` (arguments, temporaries, and the peak: arguments + outputs - donated
+aliases + temporaries, activations and gradients included), that figure times the device
+count; and, unless ``--no-memory``, the peak of a fresh process training each layout:
+``peak_bytes_in_use`` of device 0 on a GPU/TPU, host peak RSS growth on CPU, where all
+simulated devices share the one process (so it compares with the "x devices" column, not
+the per-device one). A second table gives the loop's per-device peak at 1x, 2x and 4x the
+widths (compiled on abstract state, nothing allocated): replicated grows with the whole
+model, the split layouts with 1/R of it plus the layer in use. ``--memory-only`` skips the
+timing.
 
 On CPU the eight devices are simulated by one process (``--xla_force_host_platform_device_
 count=8``): collectives are memory copies between threads, so the throughput shows the cost
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import shutil
 import statistics
+import sys
 import tempfile
 from collections.abc import Callable
 
@@ -44,6 +50,8 @@ from jax.sharding import PartitionSpec as P
 
 import estimator
 from benchmarks import _common as C
+from estimator.driver import progress
+from estimator.engine.loops import TrainState
 from estimator.parallel import zero
 
 LAYOUTS = {
@@ -52,13 +60,29 @@ LAYOUTS = {
     "shard_params": {"shard_params": True},
 }
 IPL = 100
-FEATURES, CLASSES = 64, 10
+FEATURES, CLASSES = 1024, 10
+WIDTHS = (1, 2, 4)
 
 
-def sizes(quick: bool) -> dict:
+def sizes(quick: bool, width: int = 1) -> dict:
+    """The workload; ``width`` multiplies the input and hidden widths."""
     if quick:
-        return {"hidden": 256, "batch": 64, "ipl": 2, "batches": 8, "steps": 4}
-    return {"hidden": 1024, "batch": 128, "ipl": IPL, "batches": 20, "steps": 2 * IPL}
+        return {
+            "features": 64 * width,
+            "hidden": 256 * width,
+            "batch": 64,
+            "ipl": 2,
+            "batches": 8,
+            "steps": 4,
+        }
+    return {
+        "features": FEATURES * width,
+        "hidden": 2048 * width,
+        "batch": 128,
+        "ipl": IPL,
+        "batches": 20,
+        "steps": 2 * IPL,
+    }
 
 
 def _model_fn(features, labels, mode, params):
@@ -72,7 +96,7 @@ def _model_fn(features, labels, mode, params):
 
 def _data(size: dict) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.RandomState(0)
-    x = rng.randn(size["batches"], size["batch"], FEATURES).astype(np.float32)
+    x = rng.randn(size["batches"], size["batch"], size["features"]).astype(np.float32)
     y = rng.randint(0, CLASSES, (size["batches"], size["batch"])).astype(np.int32)
     return x, y
 
@@ -106,22 +130,58 @@ def state_bytes(est: estimator.TPUEstimator) -> tuple[int, int]:
     return zero.bytes_per_device(state.params), zero.bytes_per_device(state.opt_state)
 
 
-def program_bytes(est: estimator.TPUEstimator, size: dict) -> int:
-    """Per-device bytes of the compiled train loop (XLA ``memory_analysis``)."""
-    state = est._job.store.last.state
+def abstract_state(est: estimator.TPUEstimator, layout: str, size: dict) -> TrainState:
+    """The MLP's TrainState as ``ShapeDtypeStruct``s laid out as ``layout`` keeps it."""
+    f, w = size["features"], size["hidden"]
+    shapes = {"Dense_0": (f, w), "Dense_1": (w, w), "Dense_2": (w, CLASSES)}
+    params = {
+        k: {
+            "kernel": jax.ShapeDtypeStruct(s, jnp.float32),
+            "bias": jax.ShapeDtypeStruct(s[1:], jnp.float32),
+        }
+        for k, s in shapes.items()
+    }
+    tx = optax.adam(1e-3)
+    opt = jax.eval_shape(tx.init, params)
+    mesh = est.mesh
+    if layout == "replicated":
+        p_sh, o_sh = zero.named(mesh, jax.tree.map(lambda _: P(), params)), None
+    else:
+        p_sh, o_sh = zero.state_shardings(
+            mesh, tx, params, opt, None, shard_params=layout == "shard_params"
+        )
+    rep = NamedSharding(mesh, P())
+    o_sh = o_sh if o_sh is not None else jax.tree.map(lambda _: rep, opt)
+
+    def put(tree, shardings):
+        return jax.tree.map(
+            lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree, shardings
+        )
+
+    def scalar(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+
+    return TrainState(
+        put(params, p_sh),
+        {},
+        put(opt, o_sh),
+        scalar((), jnp.int32),
+        scalar((2,), jnp.uint32),
+        scalar((), jnp.int32),
+    )
+
+
+def program_memory(est: estimator.TPUEstimator, layout: str, size: dict) -> dict:
+    """Per-device bytes of the compiled train loop (XLA ``memory_analysis``), compiled for
+    abstract state (nothing is allocated, so large widths can be measured too)."""
     loop = est._job.programs.train(size["batch"] // est.num_replicas)
     sharding = NamedSharding(est.mesh, P(None, "data"))
     xs = jax.ShapeDtypeStruct(
-        (size["ipl"], size["batch"], FEATURES), jnp.float32, sharding=sharding
+        (size["ipl"], size["batch"], size["features"]), jnp.float32, sharding=sharding
     )
     ys = jax.ShapeDtypeStruct((size["ipl"], size["batch"]), jnp.int32, sharding=sharding)
-    m = loop.lower(state, xs, ys).compile().memory_analysis()
-    return int(
-        m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        - m.alias_size_in_bytes
-        + m.temp_size_in_bytes
-    )
+    compiled = loop.lower(abstract_state(est, layout, size), xs, ys).compile()
+    return progress.program_memory(compiled) or {}
 
 
 def probe(layout: str, quick: bool) -> None:
@@ -137,7 +197,32 @@ def probe(layout: str, quick: bool) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _mib(n: float | None) -> float | None:
+    return None if n is None else n / 2**20
+
+
+def _widths(quick: bool, width: int) -> str:
+    size = sizes(quick, width)
+    return f"{size['features']}-{size['hidden']}"
+
+
+def width_rows(size_of: Callable[[int], dict], tmp: str, widths) -> list[list]:
+    """Rows of the width table: each layout's loop peak per device at each width."""
+    rows = []
+    for k in LAYOUTS:
+        peaks = []
+        for width in widths:
+            size = size_of(width)
+            est = make_estimator(k, f"{tmp}/{k}_w{width}", size)
+            peaks.append(_mib(program_memory(est, k, size).get("peak")))
+        rows.append([k, *peaks])
+    return rows
+
+
 def main(argv=None) -> str | None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    memory_only = "--memory-only" in argv
+    argv = [a for a in argv if a != "--memory-only"]
     started = C.start(__doc__, argv, probe, default_repeats=3)
     if started is None:
         return None
@@ -146,35 +231,44 @@ def main(argv=None) -> str | None:
     x, y = _data(size)
     input_fn = _input_fn(x, y)
     tmp = tempfile.mkdtemp(prefix="bench_sharded_")
+    times: dict = {}
     try:
         ests = {k: make_estimator(k, f"{tmp}/{k}", size) for k in LAYOUTS}
-        for est in ests.values():
-            C.warm_up(est, input_fn, size["ipl"])
-        times = C.interleave(
-            {k: (lambda e=e: C.timed_train(e, input_fn, size["steps"])) for k, e in ests.items()},
-            repeats=repeats,
-        )
-        held = {k: state_bytes(e) for k, e in ests.items()}
-        # each a fresh compile of the loop: left out of the smoke run (--quick)
-        program = {} if args.quick else {k: program_bytes(e, size) for k, e in ests.items()}
+        if not memory_only:
+            for est in ests.values():
+                C.warm_up(est, input_fn, size["ipl"])
+            times = C.interleave(
+                {
+                    k: (lambda e=e: C.timed_train(e, input_fn, size["steps"]))
+                    for k, e in ests.items()
+                },
+                repeats=repeats,
+            )
+        program = {k: program_memory(e, k, size) for k, e in ests.items()}
+        widths = (1,) if args.quick else WIDTHS
+        by_width = width_rows(lambda w: sizes(args.quick, w), tmp, widths)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     # --quick (the smoke test) skips the fresh-process probes: three more processes
     skip = args.no_memory or args.quick
     peaks = C.probe_all("benchmarks.sharded_state", list(LAYOUTS), quick=args.quick, skip=skip)
-    base = [t.per_step for t in times["replicated"]]
     rows = []
+    base = [t.per_step for t in times.get("replicated", [])]
     for k in LAYOUTS:
-        per_step = [t.per_step for t in times[k]]
-        mib = [b / 2**20 for b in held[k]]
+        per_step = [t.per_step for t in times.get(k, [])]
+        held = state_bytes(ests[k]) if per_step else (None, None)
+        m = program[k]
         rows.append(
             [
                 k,
-                size["batch"] / statistics.median(per_step),
-                C.median_ratio(base, per_step),
-                mib[0],
-                mib[1],
-                program[k] / 2**20 if k in program else None,
+                size["batch"] / statistics.median(per_step) if per_step else None,
+                C.median_ratio(base, per_step) if per_step else None,
+                _mib(held[0]),
+                _mib(held[1]),
+                _mib(m.get("arguments")),
+                _mib(m.get("temporaries")),
+                _mib(m.get("peak")),
+                _mib(m["peak"] * len(jax.devices())) if m else None,
                 peaks.get(k),
             ]
         )
@@ -184,21 +278,32 @@ def main(argv=None) -> str | None:
         "vs replicated",
         "params MiB/device",
         "opt state MiB/device",
-        "program MiB/device",
+        "loop arguments MiB/device",
+        "loop temporaries MiB/device",
+        "loop peak MiB/device",
+        f"loop peak x {len(jax.devices())} devices MiB",
         "peak MiB (probe)",
     ]
-    params = sum(
-        int(np.prod(a.shape))
-        for a in jax.tree.leaves(ests["replicated"]._job.store.last.state.params)
-    )
+    f, w = size["features"], size["hidden"]
+    params = f * w + w + w * w + w + w * CLASSES + CLASSES
     notes = [
-        f"MLP {FEATURES}-{size['hidden']}-{size['hidden']}-{CLASSES} ({params:,} parameters), "
-        f"Adam, global batch {size['batch']}, iterations_per_loop {size['ipl']}, "
-        f"{size['steps']} steps per timed call, {repeats} interleaved repeats.",
-        "On CPU the devices are simulated in one process: collectives are copies between "
-        "threads, and the probe's peak is the whole process's host RSS growth.",
+        f"MLP {f}-{w}-{w}-{CLASSES} ({params:,} parameters), Adam, global batch "
+        f"{size['batch']}, iterations_per_loop {size['ipl']}, {size['steps']} steps per timed "
+        f"call, {repeats} interleaved repeats{' (not run: --memory-only)' if memory_only else ''}.",
+        "Loop figures: XLA memory_analysis() of the compiled train loop, for one device "
+        "(arguments include the loop's stacked input batches). On CPU the devices are "
+        "simulated in one process: collectives are copies between threads, and the probe's "
+        "peak is the whole process's host RSS growth (compare it with the x devices column).",
     ]
-    return C.report("Sharded training state", columns, rows, notes)
+    text = C.report("Sharded training state", columns, rows, notes)
+    width_cols = ["layout", *(f"{k}x widths: loop peak MiB/device" for k in widths)]
+    text += "\n\n" + C.report(
+        "Loop peak per device against model size",
+        width_cols,
+        by_width,
+        [f"Widths (input-hidden): {', '.join(_widths(args.quick, k) for k in widths)}."],
+    )
+    return text
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -53,8 +54,18 @@ class StartupSummaryHook(hooks_lib.SessionRunHook):
     """Logs the start-up summary after the first loop (``log_startup_summary``), with the
     time to the first step; the XLA compilations until then at DEBUG."""
 
-    def __init__(self, mesh: Mesh, config: RunConfig, startup: Startup, **fields):
+    def __init__(
+        self,
+        mesh: Mesh,
+        config: RunConfig,
+        startup: Startup,
+        *,
+        train_program: Callable[[], Any] | None = None,
+        **fields,
+    ):
         self._mesh, self._config, self._startup = mesh, config, startup
+        # () -> the compiled train loop, for its memory_analysis() line at DEBUG
+        self._train_program = train_program
         # Shapes and shardings only: the arrays themselves are donated to the first loop.
         for key in ("params", "opt_state"):
             fields[key] = jax.tree.map(
@@ -79,6 +90,10 @@ class StartupSummaryHook(hooks_lib.SessionRunHook):
             c.seconds,
             ", ".join(c.names),
         )
+        if self._train_program is not None and log.isEnabledFor(logging.DEBUG):
+            line = program_memory_line(self._train_program())
+            if line is not None:
+                log.debug("Train loop memory per device: %s", line)
 
 
 def log_startup_summary(
@@ -116,6 +131,49 @@ def log_startup_summary(
         start_step,
         "" if target is None else f" to step {target}",
         first_step_secs,
+    )
+
+
+def program_memory(compiled: Any) -> dict[str, int] | None:
+    """Bytes per device of a compiled program from XLA's ``memory_analysis()``.
+
+    Keys: ``arguments``, ``outputs``, ``aliased`` (outputs written into donated arguments),
+    ``temporaries`` and ``peak`` (arguments + outputs - aliased + temporaries: what the
+    program needs on one device at once). A program over several devices is compiled for
+    one of them (SPMD), so these are one device's figures, on CPU too, where the simulated
+    devices share one process and its RSS is their sum. None where the backend reports no
+    analysis.
+
+    Example:
+      >>> program_memory(jax.jit(lambda x: x * 2).lower(jnp.ones(256)).compile())["arguments"]
+      1024
+    """
+    try:
+        m = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - not every backend implements it
+        return None
+    if m is None:
+        return None
+    out = {
+        "arguments": int(m.argument_size_in_bytes),
+        "outputs": int(m.output_size_in_bytes),
+        "aliased": int(m.alias_size_in_bytes),
+        "temporaries": int(m.temp_size_in_bytes),
+    }
+    out["peak"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temporaries"]
+    return out
+
+
+def program_memory_line(compiled: Any) -> str | None:
+    """``program_memory`` for a log line (None without an analysis)."""
+    m = program_memory(compiled)
+    if m is None:
+        return None
+    return (
+        f"arguments {format_bytes(m['arguments'])}, outputs {format_bytes(m['outputs'])} "
+        f"({format_bytes(m['aliased'])} of them in donated arguments), temporaries "
+        f"{format_bytes(m['temporaries'])}; peak {format_bytes(m['peak'])} "
+        "(XLA memory_analysis, one device)"
     )
 
 

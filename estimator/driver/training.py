@@ -384,6 +384,19 @@ def _check_loss_dtype(spec) -> None:
         )
 
 
+def _train_program(job: Job, started: _Started):
+    """() -> the compiled train loop of the first chunk's shapes (for the DEBUG memory line;
+    abstract shapes only, as the state is donated to the first loop)."""
+    if started.first is None or not log.isEnabledFor(logging.DEBUG):
+        return None
+
+    def abstract(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+    args = jax.tree.map(abstract, (started.run.state, started.first.features, started.first.labels))
+    return lambda: job.programs.train(started.model_batch).lower(*args).compile()
+
+
 def _run(job: Job, started: _Started, hooks, target_fn, startup, saving_listeners) -> TrainOutcome:
     try:
         _check_loss_dtype(job.programs.spec(ModeKeys.TRAIN))
@@ -402,6 +415,7 @@ def _run(job: Job, started: _Started, hooks, target_fn, startup, saving_listener
         opt_state=started.run.state.opt_state,
         start_step=step,
         target=target_fn(step),
+        train_program=_train_program(job, started),
     )
     extra = []
     if progress.progress_enabled(job.config.progress_bar):

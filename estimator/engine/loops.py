@@ -17,6 +17,7 @@ gives R times the gradient otherwise).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -148,6 +149,11 @@ def constrain(tree: Any, specs: Any) -> Any:
     )
 
 
+def _to_varying(a: jax.Array) -> jax.Array:
+    # A slice split over "data" is already replica-varying; a replicated leaf is cast.
+    return a if is_varying(a, DATA) else lax.pcast(a, DATA, to="varying")
+
+
 def _train_step_parts(
     model: ModelFn,
     holder: SpecHolder,
@@ -159,19 +165,23 @@ def _train_step_parts(
     """The two halves of a train step: ``gradients`` (one replica's rows, inside the
     ``shard_map`` over ``"data"``) and ``update`` (the optimizer step on reduced gradients).
 
-    ``gradients(state, features, labels) -> (loss, grads, new_state, host)`` returns the
-    replica's own loss and gradient (replica-varying, not yet reduced) and its mutable
-    collections. ``update(state, loss, grads, new_state, place)`` applies the optimizer;
+    ``gradients(state, features, labels, *, view=None) -> (loss, grads, new_state, host)``
+    returns the replica's own loss and gradient (replica-varying, not yet reduced) and its
+    mutable collections; ``view`` (FSDP, ``zero.gather_params``) maps the replica's
+    parameter slices to the whole parameters model_fn reads, gathered per use.
+    ``update(state, loss, grads, new_state, place)`` applies the optimizer;
     ``place(params, opt_state, new_state)`` returns them with their shardings.
     """
 
-    def gradients(state: TrainState, features, labels):
+    def gradients(state: TrainState, features, labels, *, view=None):
         features, labels = constrain(features, input_specs[0]), constrain(labels, input_specs[1])
         rngs = step_rngs(jax.random.wrap_key_data(state.rng), state.step, lax.axis_index(DATA))
         mask = jnp.ones((batch_size,), jnp.float32)
         mutable = tuple(state.state)
 
         def loss_fn(params):
+            if view is not None:
+                params = view(params)
             spec, new_state = model.apply(
                 _variables(params, state.state),
                 features,
@@ -186,7 +196,9 @@ def _train_step_parts(
             holder[ModeKeys.TRAIN] = spec
             return _scalar_loss(spec), (new_state, host_tensors(spec.host_call))
 
-        varying = jax.tree.map(lambda a: lax.pcast(a, DATA, to="varying"), state.params)
+        varying = jax.tree.map(_to_varying, state.params)
+        if view is not None:  # FSDP: the backward pass gathers each parameter again
+            loss_fn = zero.remat_gathered(loss_fn)
         (loss, (new_state, host)), grads = jax.value_and_grad(loss_fn, has_aux=True)(varying)
         return loss, grads, new_state, host
 
@@ -304,16 +316,22 @@ def make_sharded_state_train_loop(
         scatter = jax.tree.map(zero.data_only, sharded, is_leaf=lambda x: isinstance(x, P))
 
         def replica(state, features, labels):
-            loss, grads, new_state, host = gradients(state, features, labels)
-            grads = zero.scatter_gradients(grads, scatter)
+            if shard_params:  # FSDP: each leaf gathered where it is used, grads scattered
+                view = functools.partial(zero.gather_params, specs=scatter)
+                loss, grads, new_state, host = gradients(state, features, labels, view=view)
+                grads = zero.scattered_mean(grads, scatter)
+            else:
+                loss, grads, new_state, host = gradients(state, features, labels)
+                grads = zero.scatter_gradients(grads, scatter)
             return lax.pmean(loss, DATA), grads, replica_mean(new_state), host
 
-        # Only what the forward pass reads enters the shard_map (split params are gathered
-        # here); the optimizer state stays split outside it.
+        # Only what the forward pass reads enters the shard_map, parameters as they are at
+        # rest (with shard_params, each replica's slices); the optimizer state stays outside.
+        state_specs_in = TrainState(scatter if shard_params else P(), P(), P(), P(), P(), P())
         loss, grads, new_state, host = jax.shard_map(
             replica,
             mesh=mesh,
-            in_specs=(P(), P(DATA), P(DATA)),
+            in_specs=(state_specs_in, P(DATA), P(DATA)),
             out_specs=(P(), scatter, P(), P(DATA)),
             axis_names={DATA},
         )(state._replace(opt_state=None, nonfinite=None), *batch)
@@ -418,6 +436,31 @@ def make_init(model: ModelFn, mesh: Mesh, holder: SpecHolder, *, mode: str, batc
             axis_names={DATA},
         )
     )
+
+
+def make_split_init(model: ModelFn, holder: SpecHolder, *, mode: str, batch_size: int):
+    """``make_init``'s function without the ``shard_map``: for state split over replicas.
+
+    Traced under plain ``jit`` with split ``out_shardings``, the compiler partitions the
+    initializers (``jax_threefry_partitionable``), so each device draws only its own slices:
+    inside ``make_init``'s ``shard_map`` every device draws the whole model, and the random
+    number intermediates of the largest kernels made that program the peak of a sharded
+    run (docs/sharding.md, "Memory"). It initialises from replica 0's rows, with replica 0's
+    rngs, so the values are ``make_init``'s. A model_fn that uses the ``"data"`` axis while
+    initialising cannot be traced here (the caller falls back to ``make_init``).
+    """
+
+    def init(rng, step, features, labels):
+        features, labels = jax.tree.map(lambda x: x[0, :batch_size], (features, labels))
+        rngs = step_rngs(jax.random.wrap_key_data(rng), step, 0)
+        mask = jnp.ones((batch_size,), jnp.float32)
+        variables, spec = model.init(
+            rngs, features, labels, mode=mode, batch_size=batch_size, mask=mask, step=step
+        )
+        holder[mode] = spec
+        return dict(variables)
+
+    return init
 
 
 def make_fresh_train_state(

@@ -7,6 +7,7 @@ be None). Restoring them from a checkpoint is ``io/restore.py``.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import jax
@@ -20,8 +21,10 @@ from ..parallel import partitioning, zero
 from ..parallel.mesh import DATA
 from ..runtime import init_compiler_options, seed_key_data
 from ..spec import ModeKeys
-from .loops import TrainState, make_fresh_train_state
+from .loops import TrainState, make_fresh_train_state, make_split_init
 from .programs import Programs
+
+log = logging.getLogger("estimator")
 
 # (features, labels) of one compiled call, stacked [steps, global_rows, ...]; labels may be None.
 Example = tuple[Any, Any]
@@ -125,17 +128,23 @@ def fresh_train_state(
     init_fn = make_init_fn() if make_init_fn is not None else None
     replicated = NamedSharding(programs.mesh, P())
     elements = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
-    program = make_fresh_train_state(
-        init,
-        programs.specs,
-        var_shardings=shardings,
-        replicated=replicated,
-        unbox=partitioning.unbox,
-        with_optimizer=init_fn is None,
-        opt_shardings=None if over is None else over[1],
-        compiler_options=init_compiler_options(elements),
-    )
+
+    def program_of(init):
+        return make_fresh_train_state(
+            init,
+            programs.specs,
+            var_shardings=shardings,
+            replicated=replicated,
+            unbox=partitioning.unbox,
+            with_optimizer=init_fn is None,
+            opt_shardings=None if over is None else over[1],
+            compiler_options=init_compiler_options(elements),
+        )
+
     rng, _, features, labels = args
+    program = program_of(init)
+    if over is not None:  # split state: each device initialises only its slices
+        program = _split_init_program(programs, program_of, batch_size, args) or program
     variables, opt_state, train = program(rng, features, labels)
     if init_fn is not None:
         variables = jax.device_put(init_fn(jax.device_get(variables)), shardings)
@@ -149,6 +158,20 @@ def fresh_train_state(
         opt_state,
     )
     return to_train_state(variables, {"opt_state": opt_state, **train})
+
+
+def _split_init_program(programs: Programs, program_of, batch_size: int, args: tuple):
+    """The fresh-state program built on ``make_split_init``, lowered; None if model_fn
+    cannot initialise outside the replicas' ``shard_map`` (e.g. it names ``"data"``)."""
+    split = make_split_init(
+        programs.model, programs.specs, mode=ModeKeys.TRAIN, batch_size=batch_size
+    )
+    rng, _, features, labels = args
+    try:
+        return program_of(split).lower(rng, features, labels).compile()
+    except NameError:  # an unbound axis name: it needs the shard_map
+        log.debug("model_fn initialises over the replicas' axis: whole state per device")
+        return None
 
 
 def param_model_specs(programs: Programs) -> Any:

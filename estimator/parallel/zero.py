@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -203,6 +204,88 @@ def scatter_gradients(grads: PyTree, specs: PyTree) -> PyTree:
         return (lax.psum_scatter(g, DATA, scatter_dimension=dim, tiled=True) / replicas).astype(
             dtype
         )
+
+    return jax.tree.map(one, specs, grads, is_leaf=_is_spec)
+
+
+#: ``checkpoint_name`` of a parameter gathered for its use (``gather_params``).
+GATHERED = "zero_gathered_param"
+
+
+def _low_precision_on_cpu(dtype) -> bool:
+    # XLA:CPU fails to compile cross-device sums of bfloat16/float16 (see scatter_gradients);
+    # a gather's transpose is such a sum (a reduce-scatter).
+    return (
+        jax.default_backend() == "cpu"
+        and jnp.issubdtype(dtype, jnp.floating)
+        and jnp.finfo(dtype).bits < 32
+    )
+
+
+def gather_params(shards: PyTree, specs: PyTree) -> PyTree:
+    """Inside a ``shard_map`` over ``"data"``: each split parameter whole again, one gather each.
+
+    Every split leaf is ``all_gather``-ed along its split dimension and named ``GATHERED``
+    (``jax.ad_checkpoint.checkpoint_name``), so under ``remat_gathered`` the backward pass
+    gathers it again where it is used instead of keeping the forward's copy: a step holds
+    the slices plus the layers in use, not the whole model. The transpose of the gather is a
+    reduce-scatter, so ``jax.grad`` through this function returns each leaf's gradient summed
+    over replicas and already split as ``specs`` (``scattered_mean`` divides by R).
+    Replicated leaves pass through.
+    """
+
+    def one(spec: P, x: jax.Array) -> jax.Array:
+        dim = data_dim(spec)
+        if dim is None:
+            return x
+        dtype = x.dtype
+        if _low_precision_on_cpu(dtype):
+            x = x.astype(jnp.float32)
+        whole = lax.all_gather(x, DATA, axis=dim, tiled=True).astype(dtype)
+        return checkpoint_name(whole, GATHERED)
+
+    return jax.tree.map(one, specs, shards, is_leaf=_is_spec)
+
+
+def remat_gathered(fn):
+    """``fn`` (a loss function of the split parameters) rematerialising only the gathers.
+
+    Everything else ``fn`` computes is saved for the backward pass as usual; the gathered
+    parameters (``GATHERED``) are not, so each is gathered again for its backward use.
+    """
+    return jax.checkpoint(fn, policy=_not_gathered)
+
+
+def _not_gathered(prim, *_, **params) -> bool:
+    """The remat policy: save every value but a gathered parameter.
+
+    The name alone is not enough: the gather's own output (the name's input) would be saved
+    in its place. So an ``all_gather`` over ``"data"`` is never saved either.
+    """
+    if prim.name == "name":
+        return params.get("name") != GATHERED
+    if prim.name == "all_gather":
+        axes = params.get("axis_name")
+        return DATA not in (axes if isinstance(axes, tuple) else (axes,))
+    return True
+
+
+def scattered_mean(grads: PyTree, specs: PyTree) -> PyTree:
+    """The global-mean gradient from ``jax.grad`` through ``gather_params``.
+
+    A split leaf's gradient arrives summed over replicas by the gather's transpose (a
+    reduce-scatter): divided by R. A replicated leaf's gradient is still the replica's own
+    (its parameter was cast to replica-varying): ``pmean``-ed.
+    """
+    replicas = lax.axis_size(DATA)
+
+    def one(spec: P, g: jax.Array) -> jax.Array:
+        if data_dim(spec) is not None:
+            return g / replicas
+        dtype = g.dtype
+        if _low_precision_on_cpu(dtype):
+            g = g.astype(jnp.float32)
+        return lax.pmean(g, DATA).astype(dtype)
 
     return jax.tree.map(one, specs, grads, is_leaf=_is_spec)
 
