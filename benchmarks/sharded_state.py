@@ -18,7 +18,8 @@ repeat; the bytes one device holds of the parameters and of the optimizer state 
 (the shards of the live state); the compiled train loop's bytes per device from XLA's
 ``memory_analysis()`` (arguments, temporaries, and the peak: arguments + outputs - donated
 aliases + temporaries, activations and gradients included), that figure times the device
-count; and, unless ``--no-memory``, the peak of a fresh process training each layout:
+count; and, unless ``--no-memory``, the peak of a fresh process training each layout (two
+loops at ``iterations_per_loop`` ``PROBE_IPL`` = 20):
 ``peak_bytes_in_use`` of device 0 on a GPU/TPU, host peak RSS growth on CPU, where all
 simulated devices share the one process (so it compares with the "x devices" column, not
 the per-device one). A second table gives the loop's per-device peak at 1x, 2x and 4x the
@@ -184,8 +185,16 @@ def program_memory(est: estimator.TPUEstimator, layout: str, size: dict) -> dict
     return progress.program_memory(compiled) or {}
 
 
+#: The fresh-process probes train 2 loops at this iterations_per_loop (40 steps): the peak
+#: does not depend on the step count, and the probe of 200 steps took over 10 minutes on a
+#: loaded 2-core machine.
+PROBE_IPL = 20
+
+
 def probe(layout: str, quick: bool) -> None:
     size = sizes(quick)
+    if not quick:
+        size = {**size, "ipl": PROBE_IPL}
     x, y = _data(size)
     mem = C.MemoryProbe()
     mem.start()
