@@ -351,7 +351,7 @@ def eval_rows(s: dict, calls: int, repeats: int, tmp: str) -> list[dict]:
     x, y = lm_data(s, batches=s["ipl"])
     est = make_estimator(transformer.model_fn, lm_params(s), s, f"{tmp}/lm_eval")
     est.train(_cycle(x, y), steps=1)
-    params = est._job.store.last.state.params
+    params = est._job.store.last.state.params["TransformerLM_0"]  # model_fn's module
     params = jax.device_put(jax.device_get(params), NamedSharding(mesh, P()))
     loop = hand_written_eval(s, mesh, params)
     chunk = staged(x, y, s["ipl"], mesh)

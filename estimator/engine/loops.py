@@ -473,6 +473,7 @@ def make_fresh_train_state(
     with_optimizer: bool = True,
     opt_shardings: Any = None,
     compiler_options: dict | None = None,
+    drawn_params: Any = None,
 ):
     """One program for a fresh start: ``state(rng, features, labels) -> (variables,
     opt_state, {"step", "rng", "nonfinite"})``, every output placed on the mesh.
@@ -481,11 +482,17 @@ def make_fresh_train_state(
     ``var_shardings`` the variables' NamedShardings. ``opt_shardings`` (None: the compiler's
     choice, which gives slots their parameter's sharding) places the optimizer state.
     ``with_optimizer=False`` returns ``None`` for it (a scaffold may still replace variables).
+    ``drawn_params`` (shardings split over replicas, with ``make_split_init``) lays the
+    parameters out split where they are drawn, before ``var_shardings`` gathers them
+    (ZeRO-1 keeps them whole): each device draws only its slices.
     """
 
     def fresh(rng, features, labels):
         step = jnp.zeros((), jnp.int32)
         variables = unbox(init(rng, step, features, labels))
+        if drawn_params is not None and "params" in variables:
+            drawn = jax.lax.with_sharding_constraint(variables["params"], drawn_params)
+            variables = {**variables, "params": drawn}
         variables = jax.lax.with_sharding_constraint(variables, var_shardings)
         opt_state = None
         if with_optimizer:

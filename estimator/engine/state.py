@@ -129,7 +129,7 @@ def fresh_train_state(
     replicated = NamedSharding(programs.mesh, P())
     elements = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
 
-    def program_of(init):
+    def program_of(init, drawn_params=None):
         return make_fresh_train_state(
             init,
             programs.specs,
@@ -139,12 +139,14 @@ def fresh_train_state(
             with_optimizer=init_fn is None,
             opt_shardings=None if over is None else over[1],
             compiler_options=init_compiler_options(elements),
+            drawn_params=drawn_params,
         )
 
     rng, _, features, labels = args
     program = program_of(init)
     if over is not None:  # split state: each device initialises only its slices
-        program = _split_init_program(programs, program_of, batch_size, args) or program
+        drawn = _split_params(programs, params_shape)
+        program = _split_init_program(programs, program_of, drawn, batch_size, args) or program
     variables, opt_state, train = program(rng, features, labels)
     if init_fn is not None:
         variables = jax.device_put(init_fn(jax.device_get(variables)), shardings)
@@ -160,15 +162,24 @@ def fresh_train_state(
     return to_train_state(variables, {"opt_state": opt_state, **train})
 
 
-def _split_init_program(programs: Programs, program_of, batch_size: int, args: tuple):
-    """The fresh-state program built on ``make_split_init``, lowered; None if model_fn
-    cannot initialise outside the replicas' ``shard_map`` (e.g. it names ``"data"``)."""
+def _split_params(programs: Programs, params: Any) -> Any:
+    """Parameter shardings split over replicas (what ``shard_params`` keeps at rest)."""
+    specs = zero.param_specs(
+        params, _param_model_specs(programs), num_replicas=programs.mesh.shape[DATA]
+    )
+    return zero.named(programs.mesh, specs)
+
+
+def _split_init_program(programs: Programs, program_of, drawn, batch_size: int, args: tuple):
+    """The fresh-state program built on ``make_split_init``, parameters drawn split as
+    ``drawn``, lowered; None if model_fn cannot initialise outside the replicas'
+    ``shard_map`` (e.g. it names ``"data"``)."""
     split = make_split_init(
         programs.model, programs.specs, mode=ModeKeys.TRAIN, batch_size=batch_size
     )
     rng, _, features, labels = args
     try:
-        return program_of(split).lower(rng, features, labels).compile()
+        return program_of(split, drawn).lower(rng, features, labels).compile()
     except NameError:  # an unbound axis name: it needs the shard_map
         log.debug("model_fn initialises over the replicas' axis: whole state per device")
         return None
