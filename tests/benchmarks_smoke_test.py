@@ -37,6 +37,18 @@ EXPECTED = {
     "vs_tensorflow": [("estimator", "cold"), ("estimator", "warm")],
     "memory_vs_ipl": [("1", "default", "1"), ("4", "1", "4")],
     "predict_tail": [("1",), ("8",)],
+    "accelerator": [
+        ("ResNet-50 train", "hand-written jit(scan)"),
+        ("ResNet-50 train", "estimator"),
+        ("Transformer LM train", "hand-written jit(scan)"),
+        ("Transformer LM train", "estimator"),
+        ("Transformer LM train", "estimator, host_call every step"),
+        ("Transformer LM eval", "hand-written jit(scan)"),
+        ("Transformer LM eval", "estimator"),
+        ("Transformer LM memory", "replicated"),
+        ("Transformer LM memory", "shard_optimizer_state"),
+        ("Transformer LM memory", "shard_params"),
+    ],
 }
 
 

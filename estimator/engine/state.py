@@ -165,7 +165,7 @@ def fresh_train_state(
 def _split_params(programs: Programs, params: Any) -> Any:
     """Parameter shardings split over replicas (what ``shard_params`` keeps at rest)."""
     specs = zero.param_specs(
-        params, _param_model_specs(programs), num_replicas=programs.mesh.shape[DATA]
+        params, param_model_specs(programs), num_replicas=programs.mesh.shape[DATA]
     )
     return zero.named(programs.mesh, specs)
 
