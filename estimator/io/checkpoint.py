@@ -23,8 +23,6 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import shutil
@@ -44,8 +42,9 @@ from ..errors import (
     EstimatorValueError,
     NoCheckpointError,
 )
-from . import step_names
+from . import orbax_noise, step_names
 from . import variables as variables_lib
+from .meta_format import checked_meta, load_json, with_checksum
 
 log = logging.getLogger("estimator")
 
@@ -83,17 +82,6 @@ def check_model_dir(model_dir: str) -> None:
             "(Orbax globs the path when it finishes a step). Use a directory name without "
             f"any of {' '.join(_GLOB_CHARACTERS)}."
         )
-
-
-def with_checksum(meta: dict) -> dict:
-    """``meta`` with a ``checksum`` of its other entries (SHA-256 of their canonical JSON)."""
-    body = {k: v for k, v in meta.items() if k != "checksum"}
-    return {**body, "checksum": _digest(body)}
-
-
-def _digest(body: dict) -> str:
-    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def checked_input_pulls(meta: dict, *, pulls_per_step: int, path: str) -> int:
@@ -238,6 +226,7 @@ class Checkpoints:
 
     def __init__(self, model_dir: str, *, max_to_keep: int | None = 5, read_only: bool = False):
         check_model_dir(model_dir)
+        orbax_noise.install()  # a damaged step's failed read leaves closed-loop tracebacks
         self.directory, self._names = step_names.layout(model_dir)
         self.read_only = read_only
         options = ocp.CheckpointManagerOptions(
@@ -355,8 +344,7 @@ class Checkpoints:
             "meta/metadata",
         ):
             try:
-                with open(os.path.join(path, name)) as f:
-                    files[name] = json.load(f)
+                files[name] = load_json(os.path.join(path, name), name, path)
             except (OSError, ValueError) as e:
                 raise CheckpointError(
                     f"checkpoint {path}: {name} is unreadable ({_short(e)})"
@@ -366,12 +354,7 @@ class Checkpoints:
             raise CheckpointError(
                 f"checkpoint {path}: meta {str(meta)[:100]!r} does not name global step {step}"
             )
-        if "checksum" in meta and with_checksum(meta)["checksum"] != meta["checksum"]:
-            raise CheckpointError(
-                f"checkpoint {path}: meta does not match its checksum (it was changed after "
-                "it was written)"
-            )
-        return {k: v for k, v in meta.items() if k != "checksum"}
+        return checked_meta(meta, path=path)
 
     def _metadata(self, step: int, item: str) -> Any:
         """The saved tree of one item, with shape/dtype metadata at the leaves."""
