@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import threading
 import time
@@ -120,7 +121,12 @@ def close(logdir: str) -> None:
     with _LOCK:
         w = _WRITERS.pop(os.path.abspath(logdir), None)
     if w is not None:
-        w.close()
+        try:
+            w.close()
+        except OSError as e:  # a full disk: say where, and let the real error (if any) stand
+            logging.getLogger("estimator").warning(
+                "The last summaries could not be written to %s (%s).", logdir, e.strerror or e
+            )
 
 
 @contextlib.contextmanager

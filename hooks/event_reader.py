@@ -4,7 +4,9 @@ Event files are TFRecord streams: each record is ``uint64 length``, ``uint32 mas
 crc32c(length)``, ``data``, ``uint32 masked crc32c(data)`` (little endian), and each ``data``
 is an ``Event`` protocol buffer (parsed with tensorboardX's generated ``event_pb2``). A
 truncated last record, as left by a writer that is mid-write, ends the file quietly; a
-corrupt record ends it with a warning.
+corrupt record ends it with a warning; a record whose checksums are valid but whose data is
+not an ``Event`` (another program's record, a bad write) is skipped, with one warning per
+file per process (readers poll, so not one per read).
 
 Example:
   >>> import tempfile
@@ -24,6 +26,7 @@ import struct
 from collections.abc import Iterator
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from hooks import _tensorboardx  # noqa: F401  (imports tensorboardX without torch)
 
@@ -36,6 +39,7 @@ from hooks import _util
 _HEADER = struct.Struct("<QI")
 _FOOTER = struct.Struct("<I")
 _MASK_DELTA = 0xA282EAD8
+_warned_not_events: set[str] = set()  # files already warned about (see the docstring)
 
 _FLOAT_FIELDS = {
     types_pb2.DT_FLOAT: ("float_val", np.float32),
@@ -77,9 +81,26 @@ def read_records(path: str) -> Iterator[bytes]:
 
 
 def summary_iterator(path: str) -> Iterator[event_pb2.Event]:
-    """Yields every ``Event`` in one event file (``tf.compat.v1.train.summary_iterator``)."""
+    """Yields every ``Event`` in one event file (``tf.compat.v1.train.summary_iterator``).
+
+    Records that are not ``Event`` protocol buffers are skipped (see the module docstring).
+    """
+    skipped = 0
     for data in read_records(path):
-        yield event_pb2.Event.FromString(data)
+        try:
+            event = event_pb2.Event.FromString(data)
+        except DecodeError:
+            skipped += 1
+            continue
+        yield event
+    if skipped and path not in _warned_not_events:
+        _warned_not_events.add(path)
+        _util.logger.warning(
+            "Skipped %d record(s) in %s that are not Event protocol buffers (their checksums "
+            "are valid: not a torn write); the rest of the file was read.",
+            skipped,
+            path,
+        )
 
 
 def scalar_value(value: event_pb2.Summary.Value) -> float | None:

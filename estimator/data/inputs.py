@@ -167,7 +167,49 @@ class Signature(NamedTuple):
     dtypes: tuple
 
 
+def _check_python_lists(tree: Any) -> None:
+    """A Python list of numbers (or of such lists) where an array belongs: a clear error.
+
+    JAX reads a list as a structure of separate entries, so ``{"x": [[1.0, 2.0], ...]}``
+    would otherwise fail as "``['x'][0][0]`` is a scalar".
+    """
+
+    def numeric(v: Any) -> bool:
+        if isinstance(v, list):
+            return all(numeric(e) for e in v)
+        return isinstance(v, bool | int | float | complex | np.generic)
+
+    def visit(node: Any, path: tuple) -> None:
+        if isinstance(node, list) and node and numeric(node):
+            name = jax.tree_util.keystr(path) or "<batch>"
+            try:
+                np.asarray(node)
+            except ValueError:
+                raise EstimatorValueError(
+                    f"input batch entry {name} is a ragged Python list (rows of different "
+                    "lengths); batches must hold arrays of one shape: pad the rows to one "
+                    "length (and mask the padding) in input_fn"
+                ) from None
+            raise EstimatorValueError(
+                f"input batch entry {name} is a Python list, not an array; JAX reads a list "
+                f"as separate entries: make it an array with np.asarray(...) in input_fn"
+            )
+        children = node.items() if isinstance(node, dict) else None
+        if children is None and isinstance(node, list | tuple):
+            children = enumerate(node)
+        for key, child in children or ():
+            entry = (
+                jax.tree_util.DictKey(key)
+                if isinstance(node, dict)
+                else jax.tree_util.SequenceKey(key)
+            )
+            visit(child, (*path, entry))
+
+    visit(tree, ())
+
+
 def signature_of(tree: Any) -> Signature:
+    _check_python_lists(tree)
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
     leaves = [_canonical(x, _name(p)) for p, x in leaves_with_path]
     for (path, _), x in zip(leaves_with_path, leaves):
@@ -175,7 +217,13 @@ def signature_of(tree: Any) -> Signature:
             raise EstimatorValueError(
                 f"input batch entry {_name(path)} is a scalar; every entry needs a batch dimension"
             )
-        if x.dtype.kind not in "biufc":
+        if x.dtype.kind == "c":
+            raise EstimatorTypeError(
+                f"input batch entry {_name(path)} has dtype {x.dtype}; complex inputs are not "
+                "supported (layers and losses need real dtypes): pass the real and imaginary "
+                "parts as two float entries (np.real(x), np.imag(x)) in input_fn"
+            )
+        if x.dtype.kind not in "biuf":
             raise EstimatorTypeError(
                 f"input batch entry {_name(path)} has dtype {x.dtype}; batches must hold numeric "
                 "or bool arrays (turn strings into ids in input_fn)"

@@ -12,9 +12,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .. import summary
 from ..engine.state import one_copy_on_cpu
 from ..errors import EstimatorValueError
+from ..io.eval_events import write_eval_events
 from ..io.restore import restore_variables
 from ..parallel import multihost
 from ..runtime import seed_key_data
@@ -223,5 +223,5 @@ def _write_results(eval_dir: str, results: dict) -> None:
     )
     scalars = {k: v for k, v in results.items() if k != "global_step" and np.ndim(v) == 0}
     # One event file per directory per process, on disk when evaluate returns (early-stopping
-    # hooks read it).
-    summary.write_results(eval_dir, scalars, results["global_step"])
+    # hooks read it); an unwritable directory is said once, and the results still returned.
+    write_eval_events(eval_dir, scalars, results["global_step"])

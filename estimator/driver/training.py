@@ -25,7 +25,8 @@ from ..data.inputs import Chunk, Prefetcher
 from ..engine.loops import TrainState
 from ..engine.state import fresh_train_state, train_state_parts
 from ..errors import EstimatorTypeError, EstimatorValueError
-from ..io.checkpoint import Checkpoints, checked_input_pulls
+from ..io.checkpoint import Checkpoints
+from ..io.input_position import ROWS_KEY, resume_pulls
 from ..io.lock import TrainerLock
 from ..io.restore import restore_train_state
 from ..io.store import LastState, StateStore
@@ -76,11 +77,12 @@ class _Saver:
         listeners=(),
         *,
         pulls_per_step: int = 1,
+        rows_per_pull: int | None = None,
     ):
         self.ckpts, self.run, self.store = ckpts, run, store
         self.listeners, self.session = list(listeners), None
         self.stop_requested = False
-        self.pulls_per_step = pulls_per_step
+        self.pulls_per_step, self.rows_per_pull = pulls_per_step, rows_per_pull
         self.every_steps = config.save_checkpoints_steps
         self.every_secs = config.checkpoint_every_secs
         self.last_step = None
@@ -117,6 +119,8 @@ class _Saver:
         out = {"global_step": step, "input_pulls": position.input_pulls}
         # Pulls beyond the steps' own: short batches skipped (bounds a resume's fast-forward).
         out["skipped_pulls"] = max(position.input_pulls - step * self.pulls_per_step, 0)
+        if self.rows_per_pull:  # a resume with another batch size counts in examples
+            out[ROWS_KEY] = self.rows_per_pull
         if multihost.is_multiprocess():  # one iterator per process: keep every position
             states = multihost.gather_objects(position.input_state)
             if any(s is not None for s in states):
@@ -167,12 +171,18 @@ def _open_input(job: Job, input_fn, meta: dict, target_fn):
     resume = job.config.resume_input_position
     pipe = job.feeder.pipeline(input_fn, ModeKeys.TRAIN, pad=False)
     skip = 0
-    if resume and meta:  # bounded: a crafted count must not fast-forward for ever
-        path = job.store.writer().path(int(meta.get("global_step", 0)))
-        skip = checked_input_pulls(meta, pulls_per_step=pipe.pulls_per_step, path=path)
     saved = meta.get("input_state")
     if meta.get("input_states") is not None:  # a many-process run: this process's position
         saved = meta["input_states"][jax.process_index()]
+    if resume and meta:  # bounded: a crafted count must not fast-forward for ever
+        path = job.store.writer().path(int(meta.get("global_step", 0)))
+        skip = resume_pulls(
+            meta,
+            pulls_per_step=pipe.pulls_per_step,
+            rows_per_pull=pipe.rows_per_pull,
+            path=path,
+            stateful=pipe.stateful and saved is not None,
+        )
     if resume and pipe.stateful and saved is not None:
         pipe.set_state(saved)
         skip = 0
@@ -451,6 +461,7 @@ def _train(
         job.store,
         saving_listeners,
         pulls_per_step=job.feeder.layout(ModeKeys.TRAIN).pulls_per_step,
+        rows_per_pull=job.feeder.layout(ModeKeys.TRAIN).rows_per_pull,
     )
     step = int(jax.device_get(run.state.step))
     saver.last_step = step if ckpts.steps() else None

@@ -38,6 +38,18 @@ def _init_args(programs: Programs, example: Example):
     return rng, np.int32(0), features, labels
 
 
+def _tuple_hint(features: Any) -> str:
+    """A hint when ``features`` is a tuple of another length than 2 (read as features only)."""
+    if not isinstance(features, tuple) or len(features) == 2:
+        return ""
+    return (
+        f" input_fn's batches are {len(features)}-tuples: only a 2-tuple is read as "
+        "(features, labels), as in TF; a tuple of another length is all features (a "
+        "Keras-style (x, y, sample_weight) is not). Yield (features, labels) and put extra "
+        "entries such as weights in the features dict."
+    )
+
+
 def _trace(programs: Programs, mode: str, example: Example, fn, *args):
     """Calls ``fn`` (which traces model_fn); a failure with ``labels=None`` in TRAIN/EVAL is
     re-raised naming the likely culprit: an input_fn that returned no labels."""
@@ -52,7 +64,7 @@ def _trace(programs: Programs, mode: str, example: Example, fn, *args):
         raise EstimatorValueError(
             f"model_fn failed in mode {mode!r} with labels=None ({type(e).__name__}: {first}). "
             "input_fn returned features only; return (features, labels) batches, or do not "
-            f"use labels in mode {mode!r}"
+            f"use labels in mode {mode!r}.{_tuple_hint(example[0])}"
         ) from e
 
 

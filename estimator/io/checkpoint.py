@@ -23,8 +23,6 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import shutil
@@ -44,8 +42,9 @@ from ..errors import (
     EstimatorValueError,
     NoCheckpointError,
 )
-from . import step_names
+from . import disk_full, orbax_noise, step_names
 from . import variables as variables_lib
+from .meta_format import checked_meta, load_json, with_checksum
 
 log = logging.getLogger("estimator")
 
@@ -83,17 +82,6 @@ def check_model_dir(model_dir: str) -> None:
             "(Orbax globs the path when it finishes a step). Use a directory name without "
             f"any of {' '.join(_GLOB_CHARACTERS)}."
         )
-
-
-def with_checksum(meta: dict) -> dict:
-    """``meta`` with a ``checksum`` of its other entries (SHA-256 of their canonical JSON)."""
-    body = {k: v for k, v in meta.items() if k != "checksum"}
-    return {**body, "checksum": _digest(body)}
-
-
-def _digest(body: dict) -> str:
-    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def checked_input_pulls(meta: dict, *, pulls_per_step: int, path: str) -> int:
@@ -238,6 +226,10 @@ class Checkpoints:
 
     def __init__(self, model_dir: str, *, max_to_keep: int | None = 5, read_only: bool = False):
         check_model_dir(model_dir)
+        orbax_noise.install()  # a damaged step's failed read leaves closed-loop tracebacks
+        disk_full.drop_orbax_disk_full_records()  # we raise one error naming the path instead
+        self._writing: int | None = None  # the step of the save in flight
+        self._full: OSError | None = None  # a full disk, once reported
         self.directory, self._names = step_names.layout(model_dir)
         self.read_only = read_only
         options = ocp.CheckpointManagerOptions(
@@ -302,16 +294,21 @@ class Checkpoints:
         """
         if step in self._manager.all_steps():
             return False
-        self._manager.wait_until_finished()  # Orbax waits too; the last rotation is done
+        self._wait()  # Orbax waits too; the last rotation is done
         self._purge_rotated()
-        saved = self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                variables=ocp.args.StandardSave(variables),
-                train=ocp.args.StandardSave(train),
-                meta=ocp.args.JsonSave(with_checksum(meta)),
-            ),
-        )
+        self._writing = step
+        try:
+            saved = self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    variables=ocp.args.StandardSave(variables),
+                    train=ocp.args.StandardSave(train),
+                    meta=ocp.args.JsonSave(with_checksum(meta)),
+                ),
+            )
+        except Exception as e:  # noqa: BLE001 - a full disk is named; the rest as raised
+            self._raise_if_full(e)
+            raise
         if not saved:
             newest = self._manager.latest_step()
             raise CheckpointError(
@@ -326,12 +323,31 @@ class Checkpoints:
             return
         shutil.rmtree(os.path.join(self.directory, _ROTATED), ignore_errors=True)
 
+    def _wait(self) -> None:
+        """Waits for the save in flight; a full disk is one clear ``OSError`` (once)."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - a full disk is named; the rest as raised
+            if self._full is not None and disk_full.is_disk_full(e):
+                return  # reported already: the cleanup after it must not raise it again
+            self._raise_if_full(e)
+            raise
+
+    def _raise_if_full(self, error: Exception) -> None:
+        if not disk_full.is_disk_full(error):
+            return
+        failed = self._writing
+        path = self.path(failed) if failed is not None else self.directory
+        intact = [s for s in self._manager.all_steps() if s != failed]
+        self._full = disk_full.disk_full_error(path, intact_step=max(intact, default=None))
+        raise self._full from None
+
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        self._wait()
         self._purge_rotated()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
+        self._wait()
         self._manager.close()
         self._purge_rotated()
 
@@ -355,8 +371,7 @@ class Checkpoints:
             "meta/metadata",
         ):
             try:
-                with open(os.path.join(path, name)) as f:
-                    files[name] = json.load(f)
+                files[name] = load_json(os.path.join(path, name), name, path)
             except (OSError, ValueError) as e:
                 raise CheckpointError(
                     f"checkpoint {path}: {name} is unreadable ({_short(e)})"
@@ -366,12 +381,7 @@ class Checkpoints:
             raise CheckpointError(
                 f"checkpoint {path}: meta {str(meta)[:100]!r} does not name global step {step}"
             )
-        if "checksum" in meta and with_checksum(meta)["checksum"] != meta["checksum"]:
-            raise CheckpointError(
-                f"checkpoint {path}: meta does not match its checksum (it was changed after "
-                "it was written)"
-            )
-        return {k: v for k, v in meta.items() if k != "checksum"}
+        return checked_meta(meta, path=path)
 
     def _metadata(self, step: int, item: str) -> Any:
         """The saved tree of one item, with shape/dtype metadata at the leaves."""

@@ -19,7 +19,9 @@ TF's ``ServingInputReceiver`` reduced to its feature specs; an object with a ``f
 attribute is accepted too.) ``float64``/``int64`` become ``float32``/``int32`` as in training.
 
 What is written: ``<export_dir_base>/<seconds since epoch>/`` (unique, written under a
-``temp-`` name and renamed when complete; the number is TF Serving's model version) holding
+``temp-`` name and renamed when complete; the number is TF Serving's model version; a killed
+export's ``temp-`` folder is removed by the next export into the same base, see
+``io/export_temp.py``) holding
 
 * with TensorFlow installed (the ``tf`` extra), a TF SavedModel (``saved_model.pb``,
   ``variables/``) that TF Serving loads; see ``io/tf_saved_model.py``. Without it, one log line
@@ -57,7 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import EstimatorTypeError, EstimatorValueError
-from . import tf_saved_model
+from . import export_temp, tf_saved_model
 from . import variables as variables_lib
 
 COMPUTATION_FILE = "saved_model.jax"
@@ -188,21 +190,6 @@ def _json(signature: dict) -> str:
     )
 
 
-def _reserve_dir(base: str) -> tuple[str, str]:
-    """A fresh ``temp-<ts>`` directory and the ``<ts>`` name it will be renamed to."""
-    os.makedirs(base, exist_ok=True)
-    ts = int(time.time())
-    while True:
-        final, temp = os.path.join(base, str(ts)), os.path.join(base, f"temp-{ts}")
-        if not os.path.exists(final):
-            try:
-                os.makedirs(temp)
-                return temp, final
-            except FileExistsError:
-                pass
-        ts += 1
-
-
 def _write_tf(directory: str, export: ExportedProgram, names: list[str], specs: Any) -> bool:
     """The TF SavedModel, when TensorFlow is installed; else one log line saying how."""
     if not tf_saved_model.tensorflow_available():
@@ -229,7 +216,7 @@ def _write_tf(directory: str, export: ExportedProgram, names: list[str], specs: 
 def write_export(
     base: str, export: ExportedProgram, names: list[str], specs: Any, signature: dict
 ) -> str:
-    temp, final = _reserve_dir(base)
+    temp, final, fd = export_temp.reserve(base)  # also removes dead exports' temp folders
     try:
         signature["tf_saved_model"] = _write_tf(temp, export, names, specs)
         portable = os.path.join(temp, PORTABLE_DIR)
@@ -242,6 +229,8 @@ def write_export(
             np.savez(os.path.join(portable, VARIABLES_FILE), **variables)
         with open(os.path.join(portable, SIGNATURE_FILE), "w") as f:
             f.write(_json(signature))
+        export_temp.unlock(temp, fd)
+        fd = -1
         while True:
             try:
                 os.rename(temp, final)
@@ -252,6 +241,8 @@ def write_export(
                 # another export took this second meanwhile
                 final = os.path.join(base, str(int(os.path.basename(final)) + 1))
     except BaseException:
+        if fd >= 0:
+            export_temp.unlock(temp, fd)
         shutil.rmtree(temp, ignore_errors=True)
         raise
 

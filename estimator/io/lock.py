@@ -9,7 +9,15 @@ with ``ModelDirInUseError`` naming the directory and the holder.
 When is a lock stale (taken over, with a log line naming the old holder)?
 
 * Same host: when no process holds the ``flock`` (the kernel drops it when its process dies,
-  however it died), or the named pid is not running.
+  however it died), or the named pid is not running. A child process shares its parent's
+  open files, hence the ``flock``: a forked child (an input worker) closes its copy at once
+  (``os.register_at_fork``), and a lock whose ``flock`` is still held while the pid it names
+  is gone (a child that did not run Python's fork hooks, or one given the descriptor) is
+  taken over by replacing the file: the orphan keeps a lock on a file no one opens any more.
+  Takeovers are serialised by a ``flock`` on the model_dir itself, so two restarts at the
+  same moment cannot both win.
+* A lock file whose content names no holder (bytes that are not the JSON this module writes)
+  is taken over at once when its ``flock`` is free.
 * Another host: when its heartbeat is older than ``STALE_SECS`` (the holder's machine died or
   lost the file system). A network file system that honours ``flock`` across hosts makes the
   lock exact there too; one that does not is covered by the heartbeat.
@@ -36,6 +44,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from typing import Any
 
 from ..errors import EstimatorRuntimeError
@@ -45,10 +54,31 @@ log = logging.getLogger("estimator")
 LOCK_NAME = "trainer.lock"
 HEARTBEAT_SECS = 10.0
 STALE_SECS = 60.0
+# How long a second trainer waits for a holder that has its flock but has not written its
+# name yet (it writes right after flocking): long enough for a loaded machine, short enough
+# to still fail "at once".
+NAME_WAIT_SECS = 2.0
 
 
 class ModelDirInUseError(EstimatorRuntimeError):
     """Another trainer holds the model_dir (its host and pid are named)."""
+
+
+# The locks this process holds: a forked child closes its copies (see the module docstring).
+_HELD: weakref.WeakSet[TrainerLock] = weakref.WeakSet()
+
+
+def _close_in_child() -> None:
+    for lock in list(_HELD):
+        # Close, never LOCK_UN: unlocking a shared open file would free the parent's lock.
+        with contextlib.suppress(OSError):
+            os.close(lock._fd)  # type: ignore[arg-type]
+        lock._fd = None
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_in_child)
 
 
 def _pid_running(pid: int) -> bool:
@@ -61,10 +91,31 @@ def _pid_running(pid: int) -> bool:
     return True
 
 
+def _named(holder: dict[str, Any]) -> bool:
+    """Whether ``holder`` is a holder's record (this module's JSON), not empty or garbage."""
+    return "host" in holder and "pid" in holder and "raw" not in holder
+
+
 def _describe(holder: dict[str, Any]) -> str:
+    if not _named(holder):
+        return (
+            "a process whose lock file names no holder: a trainer starting this instant, or a "
+            "process that inherited the lock's open file"
+        )
     since = holder.get("since")
     when = f", since {since}" if since else ""
-    return f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}{when}"
+    return f"host {holder['host']}, pid {holder['pid']}{when}"
+
+
+def _orphaned(holder: dict[str, Any]) -> bool:
+    """Whether a flock held for ``holder`` outlived it (same host, its pid gone)."""
+    pid = holder.get("pid")
+    return (
+        _named(holder)
+        and holder.get("host") == socket.gethostname()
+        and isinstance(pid, int)
+        and not _pid_running(pid)
+    )
 
 
 class TrainerLock:
@@ -89,13 +140,13 @@ class TrainerLock:
         try:
             holder = json.loads(text)
         except ValueError:
-            return {"host": "?", "pid": "?", "raw": text[:100]}
-        return holder if isinstance(holder, dict) else {}
+            return {"raw": text[:100]}
+        return holder if isinstance(holder, dict) else {"raw": text[:100]}
 
     def _held_elsewhere(self, fd: int, holder: dict[str, Any], flocked: bool) -> bool:
         """Whether ``holder`` (read from a file whose flock we hold, if ``flocked``) is live."""
-        if not holder:
-            return False
+        if not _named(holder):
+            return False  # empty, released, or garbage: no one to wait for
         age = time.time() - os.fstat(fd).st_mtime
         if holder.get("host") == socket.gethostname():
             pid = holder.get("pid")
@@ -104,48 +155,148 @@ class TrainerLock:
             return _pid_running(pid) and pid != os.getpid()
         return age < STALE_SECS  # another host: only its heartbeat can say
 
+    def _open(self) -> int:
+        if os.path.exists(self.model_dir) and not os.path.isdir(self.model_dir):
+            raise NotADirectoryError(errno.ENOTDIR, "model_dir is not a directory", self.model_dir)
+        os.makedirs(self.model_dir, exist_ok=True)
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except IsADirectoryError:
+            raise ModelDirInUseError(
+                f"{self.path} is a directory, where the trainer's lock file goes: remove or "
+                "rename it (the lock file is created there; no trainer can start while it is "
+                "a directory)."
+            ) from None
+
+    def _flock(self, fd: int) -> bool | None:
+        """Tries the flock: True if taken, False if held, None if the file system has none."""
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        except OSError as e:  # a file system without flock: the content decides
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                raise
+            return None
+        return True
+
+    def _settled_holder(self, fd: int) -> tuple[bool, dict[str, Any]]:
+        """Reads a flocked file's holder, waiting briefly for a trainer mid-acquire to write
+        its name (or to release). Returns (whether we got the flock meanwhile, holder)."""
+        deadline = time.monotonic() + NAME_WAIT_SECS
+        while True:
+            holder = self._read(fd)
+            if _named(holder) or time.monotonic() > deadline:
+                return False, holder
+            time.sleep(0.05)
+            if self._flock(fd):
+                return True, self._read(fd)
+
     def acquire(self) -> None:
         """Takes the lock.
 
         Raises:
-          ModelDirInUseError: a live trainer holds it.
+          ModelDirInUseError: a live trainer holds it (or the lock file's place is taken).
         """
-        if os.path.exists(self.model_dir) and not os.path.isdir(self.model_dir):
-            raise NotADirectoryError(errno.ENOTDIR, "model_dir is not a directory", self.model_dir)
-        os.makedirs(self.model_dir, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = self._open()
         try:
-            flocked = True
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = self._read(fd)
-                raise self._in_use(holder) from None
-            except OSError as e:  # a file system without flock: the content decides
-                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                    raise
-                flocked = False
+            got = self._flock(fd)
+            if got is False:
+                got, holder = self._settled_holder(fd)
+                if not got:
+                    if not _orphaned(holder):
+                        raise self._in_use(holder)
+                    os.close(fd)
+                    fd = -1
+                    fd = self._take_over_orphan(holder)
+                    self._started(fd)
+                    return
             holder = self._read(fd)
-            if self._held_elsewhere(fd, holder, flocked):
+            if self._held_elsewhere(fd, holder, got is True):
                 raise self._in_use(holder)
-            if holder:
-                log.warning(
-                    "Taking over the lock of a trainer that is no longer running (%s): %s",
-                    _describe(holder),
-                    self.path,
-                )
-            mine = {
+            if got and not self._same_file(fd):  # replaced by a takeover since we opened it
+                os.close(fd)
+                fd = -1
+                self.acquire()
+                return
+            self._warn_taking_over(holder)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, self._mine(), 0)
+            os.fsync(fd)
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            raise
+        self._started(fd)
+
+    def _same_file(self, fd: int) -> bool:
+        try:
+            return os.stat(self.path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            return False
+
+    def _mine(self) -> bytes:
+        return json.dumps(
+            {
                 "host": socket.gethostname(),
                 "pid": os.getpid(),
                 "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             }
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(mine).encode(), 0)
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            raise
+        ).encode()
+
+    def _warn_taking_over(self, holder: dict[str, Any]) -> None:
+        if _named(holder):
+            log.warning(
+                "Taking over the lock of a trainer that is no longer running (%s): %s",
+                _describe(holder),
+                self.path,
+            )
+        elif holder:
+            log.warning(
+                "Taking over a lock file that names no holder (its content is not a trainer's "
+                "name, and no process holds its flock): %s",
+                self.path,
+            )
+
+    def _take_over_orphan(self, holder: dict[str, Any]) -> int:
+        """Replaces the lock file whose flock outlived ``holder``; returns the new file's fd.
+
+        Under a flock of the model_dir itself, so that two restarts cannot both replace it;
+        the new file is flocked and named before it is renamed into place, so no one ever
+        sees it free.
+        """
+        guard = os.open(self.model_dir, os.O_RDONLY)
+        try:
+            with contextlib.suppress(OSError):  # a file system without flock: no guard
+                fcntl.flock(guard, fcntl.LOCK_EX)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                got = self._flock(fd)
+                now = self._read(fd) if got is False else {}
+                if got is False and _named(now) and not _orphaned(now):
+                    raise self._in_use(now)  # another restart took it over first
+            finally:
+                os.close(fd)
+            tmp = f"{self.path}.{os.getpid()}.tmp"
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.pwrite(fd, self._mine(), 0)
+                os.fsync(fd)
+                os.replace(tmp, self.path)
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+        finally:
+            os.close(guard)  # drops the guard's flock
+        self._warn_taking_over(holder)
+        return fd
+
+    def _started(self, fd: int) -> None:
         self._fd = fd
+        _HELD.add(self)
         self._stop.clear()
         self._beat = threading.Thread(target=self._heartbeat, name="trainer-lock", daemon=True)
         self._beat.start()
@@ -171,10 +322,11 @@ class TrainerLock:
         self._stop.set()
         if self._beat is not None:
             self._beat.join()
+        _HELD.discard(self)
         with contextlib.suppress(OSError):
             os.ftruncate(self._fd, 0)
-            # Explicitly: a child forked meanwhile (a data loader's worker) shares the open
-            # file and would otherwise keep the lock after this close.
+            # Explicitly: a child that inherited the open file without running the fork hook
+            # would otherwise keep the lock after this close.
             fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = None

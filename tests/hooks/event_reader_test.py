@@ -157,3 +157,53 @@ def test_tensor_encoded_scalars(tmp_path):
     for tag, value in [("f32", 1.5), ("f64_content", 0.125), ("f32_content", -3.0)]:
         (event,) = acc.Tensors(tag)
         assert float(tensor_util.make_ndarray(event.tensor_proto)) == value
+
+
+def _record(data: bytes) -> bytes:
+    """One TFRecord with valid checksums around ``data``."""
+    header = struct.pack("<Q", len(data))
+    return (
+        header
+        + struct.pack("<I", event_reader._masked_crc(header))
+        + data
+        + struct.pack("<I", event_reader._masked_crc(data))
+    )
+
+
+def _with_foreign_record(eval_dir):
+    """Event files whose second record checksums fine but is not an Event (issue 30, 2)."""
+    _write_evals(eval_dir, {1: {"loss": 1.0}, 2: {"loss": 2.0}})
+    path = _event_file(eval_dir)
+    data = open(path, "rb").read()
+    first = _record_ends(data)[1]
+    foreign = _record(b"\xff\xff\xff\xff not an Event protocol buffer")
+    open(path, "wb").write(data[:first] + foreign + data[first:])
+    return path
+
+
+def test_a_checksummed_record_that_is_not_an_event_is_skipped_with_one_warning(tmp_path, caplog):
+    path = _with_foreign_record(str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="estimator"):
+        got = read_eval_metrics(str(tmp_path))  # raised DecodeError before
+        again = read_eval_metrics(str(tmp_path))
+    assert got == again == {1: {"loss": 1.0}, 2: {"loss": 2.0}}
+    warned = [r.getMessage() for r in caplog.records if "not Event protocol" in r.getMessage()]
+    assert len(warned) == 1 and path in warned[0]  # once, naming the file, not per read
+
+
+def test_early_stopping_reads_past_a_record_that_is_not_an_event(tmp_path):
+    import hooks
+    from tests.hooks._fakes import FakeSession
+
+    class Est:
+        model_dir = str(tmp_path)
+
+        def eval_dir(self):
+            return str(tmp_path / "eval")
+
+    _with_foreign_record(Est().eval_dir())
+    hook = hooks.stop_if_lower_hook(Est(), "loss", 1.5, run_every_secs=0.0)
+    hook.begin()
+    ctx = hooks.SessionRunContext(None, FakeSession(), steps=[3])
+    hook.after_run(ctx, hooks.SessionRunValues(None))  # raised DecodeError before
+    assert ctx.stop_requested  # loss 1.0 at step 1 is below 1.5
