@@ -14,10 +14,11 @@ written with ``dtype=jnp.bfloat16`` layers, the target: the policy no slower tha
 model params), so adding a feature's row is one line.
 
 Memory: a large-activation model (an MLP 64-512x4-10 on a global batch of 32768, 4096 rows
-per replica, so the activations, 8 MiB a layer, dwarf the 0.8 M parameters) compiled with ``num_microbatches`` 1, 2, 4, 8; the
-train loop's ``temp_size_in_bytes`` from XLA's ``memory_analysis()`` per device (activations
-and gradients live during the step: the figure micro-batches shrink, device-independent
-since it is what the compiler allocates, not what a process happened to touch).
+per replica, so the activations, 8 MiB a layer, dwarf the 0.8 M parameters) compiled with
+``num_microbatches`` 1, 2, 4, 8; the train loop's ``temp_size_in_bytes`` from XLA's
+``memory_analysis()`` per device (activations and gradients live during the step: the figure
+micro-batches shrink; device-independent, since it is what the compiler allocates, not what
+a process happened to touch).
 """
 
 from __future__ import annotations
