@@ -70,6 +70,14 @@ class TPUConfig:
         256 MiB per device on TPU and GPU; on CPU, whose devices all live in host memory
         and where a transfer is a copy with no latency to hide, 2 MiB per process, shared
         by its CPU devices (docs/inputs.md).
+      compute_dtype: ``None`` (float32), ``"bfloat16"`` or ``"float16"``: model_fn computes
+        on copies of its float inputs and parameters in that dtype, while the weights, the
+        optimizer state, batch statistics and checkpoints stay float32; ``"float16"`` adds
+        dynamic loss scaling (docs/mixed-precision.md). Train, evaluate and predict use it;
+        export serves float32 unless model_fn uses ``estimator.tpu.bfloat16_scope()``.
+      num_microbatches: split each replica's batch of every training step into this many
+        micro-batches run one after another, gradients averaged, one update per step
+        (``global_step`` counts updates; docs/mixed-precision.md).
     """
 
     iterations_per_loop: int = 2
@@ -82,8 +90,15 @@ class TPUConfig:
     shard_optimizer_state: bool = False
     shard_params: bool = False
     max_staged_input_bytes: int | None = None
+    compute_dtype: str | None = None
+    num_microbatches: int = 1
 
     def __post_init__(self):
+        if self.compute_dtype not in (None, "bfloat16", "float16"):
+            raise EstimatorValueError(
+                f"compute_dtype must be None, 'bfloat16' or 'float16', got {self.compute_dtype!r}"
+            )
+        _positive_int("num_microbatches", self.num_microbatches, allow_none=False)
         _positive_int("iterations_per_loop", self.iterations_per_loop, allow_none=False)
         _positive_int("max_staged_input_bytes", self.max_staged_input_bytes)
         _positive_int("num_shards", self.num_shards)

@@ -143,6 +143,14 @@ class TPUEstimatorSpec:
                 raise EstimatorValueError(
                     "Missing train_op: TPUEstimatorSpec in TRAIN mode needs one"
                 )
+            if isinstance(train_op, optax.MultiSteps):
+                raise EstimatorTypeError(
+                    "train_op must be an optax.GradientTransformation, got optax.MultiSteps: "
+                    "it accumulates over train steps, so global_step would count "
+                    "micro-batches. Use TPUConfig(num_microbatches=k) with the inner "
+                    "optimizer as train_op instead: one update per step, global_step "
+                    "counts updates"
+                )
             if not isinstance(train_op, optax.GradientTransformation):
                 raise EstimatorTypeError(
                     "train_op must be an optax.GradientTransformation (e.g. optax.adam(1e-3)), "

@@ -388,9 +388,15 @@ class TrainSummaries:
         self._started = False
 
     def after_loop(
-        self, losses: np.ndarray, steps: np.ndarray, nonfinite: int | None = None
+        self,
+        losses: np.ndarray,
+        steps: np.ndarray,
+        nonfinite: int | None = None,
+        *,
+        loss_scale: float | None = None,
     ) -> None:
-        """Records one loop: per-step ``losses`` at global ``steps`` (after each step)."""
+        """Records one loop: per-step ``losses`` at global ``steps`` (after each step);
+        ``nonfinite`` and ``loss_scale`` are the values at the loop's end."""
         now = self._clock()
         if self.writer is None or not self.every or not len(steps):
             return
@@ -400,6 +406,8 @@ class TrainSummaries:
             self.writer.add_scalar("loss", loss, global_step=step)
             if nonfinite is not None:
                 self.writer.add_scalar("nonfinite_steps", nonfinite, global_step=step)
+            if loss_scale is not None:
+                self.writer.add_scalar("loss_scale", loss_scale, global_step=step)
         end = int(steps[-1])
         if not self._started:  # the first loop only starts the clock (compilation not counted)
             self._meter.update_last_triggered_step(end, now)

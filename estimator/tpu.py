@@ -3,7 +3,8 @@
 A TF program names its estimator ``estimator`` (``estimator = tf.estimator.tpu.TPUEstimator(
 ...)``), which shadows this package inside the function that does it. Importing this module
 instead keeps every such line unchanged but the namespace. Every name here is the same object
-as ``estimator.<name>``.
+as ``estimator.<name>``, and ``bfloat16_scope()`` is TF's ``tf.tpu.bfloat16_scope``
+(``estimator.engine.precision``).
 
 Example:
   >>> from estimator import tpu
@@ -18,7 +19,15 @@ Example:
 from __future__ import annotations
 
 from .config import InputPipelineConfig, RunConfig, TPUConfig
+from .engine.precision import bfloat16_scope
 from .spec import TPUEstimatorSpec
 from .tpu_estimator import TPUEstimator
 
-__all__ = ["InputPipelineConfig", "RunConfig", "TPUConfig", "TPUEstimator", "TPUEstimatorSpec"]
+__all__ = [
+    "InputPipelineConfig",
+    "RunConfig",
+    "TPUConfig",
+    "TPUEstimator",
+    "TPUEstimatorSpec",
+    "bfloat16_scope",
+]

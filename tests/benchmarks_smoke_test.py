@@ -49,12 +49,26 @@ EXPECTED = {
         ("Transformer LM memory", "shard_optimizer_state"),
         ("Transformer LM memory", "shard_params"),
     ],
+    "trainer_features": [
+        ("plain",),
+        ("compute_dtype=bfloat16",),
+        ("bf16 by hand (dtype=)",),
+        ("num_microbatches=4",),
+        ("1",),
+        ("4",),
+    ],
 }
 
 
 def _rows(text: str) -> list[list[str]]:
-    lines = [ln for ln in text.splitlines() if ln.startswith("| ")]
-    return [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[1:]]  # no header
+    """Every table row of ``text``, the headers (the line above each ``|---`` line) left out."""
+    lines = text.splitlines()
+    rows = [
+        ln
+        for i, ln in enumerate(lines)
+        if ln.startswith("| ") and not (i + 1 < len(lines) and lines[i + 1].startswith("|---"))
+    ]
+    return [[c.strip() for c in ln.strip("|").split("|")] for ln in rows]
 
 
 def _matches(row: list[str], expected: tuple[str, ...]) -> bool:

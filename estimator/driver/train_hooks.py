@@ -59,24 +59,37 @@ class LossLoggingHook(SessionRunHook):
 
 
 class TrainSummaryHook(SessionRunHook):
-    """Writes ``loss`` (and ``nonfinite_steps``) every ``every`` steps and the speed
-    scalars; see ``summary.TrainSummaries`` for the exact cadence."""
+    """Writes ``loss`` (and ``nonfinite_steps``, and float16's ``loss_scale``) every
+    ``every`` steps and the speed scalars; see ``summary.TrainSummaries`` for the cadence."""
 
     NONFINITE = "nonfinite_steps"
+    LOSS_SCALE = "loss_scale"
 
-    def __init__(self, writer, *, every: int, examples_per_step: int, nonfinite: bool):
+    def __init__(
+        self,
+        writer,
+        *,
+        every: int,
+        examples_per_step: int,
+        nonfinite: bool,
+        loss_scale: bool = False,
+    ):
         self._summaries = summary.TrainSummaries(
             writer, every=every, examples_per_step=examples_per_step
         )
         self._nonfinite = nonfinite
+        self._loss_scale = loss_scale
 
     def before_run(self, run_context: SessionRunContext) -> SessionRunArgs:
         fetches = {"loss": "loss", "step": "global_step"}
         if self._nonfinite:
             fetches["nonfinite"] = self.NONFINITE
+        if self._loss_scale:
+            fetches["loss_scale"] = self.LOSS_SCALE
         return SessionRunArgs(fetches)
 
     def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
         got = run_values.results
         nonfinite = int(np.asarray(got["nonfinite"]).reshape(-1)[-1]) if self._nonfinite else None
-        self._summaries.after_loop(got["loss"], got["step"], nonfinite)
+        scale = float(np.asarray(got["loss_scale"]).reshape(-1)[-1]) if self._loss_scale else None
+        self._summaries.after_loop(got["loss"], got["step"], nonfinite, loss_scale=scale)

@@ -22,6 +22,7 @@ import hooks as hooks_lib
 from .. import summary
 from ..config import RunConfig
 from ..data.inputs import Chunk, Prefetcher
+from ..engine import precision
 from ..engine.loops import TrainState
 from ..engine.state import fresh_train_state, train_state_parts
 from ..errors import EstimatorTypeError, EstimatorValueError
@@ -148,13 +149,14 @@ def _default_hooks(config: RunConfig, given, *, writer, examples_per_step: int) 
             writer,
             every=config.save_summary_steps,
             examples_per_step=examples_per_step,
-            nonfinite=config.skip_nonfinite_steps,
+            nonfinite=precision.skips_nonfinite(config),
+            loss_scale=precision.uses_loss_scale(config.tpu_config.compute_dtype),
         )
     ]
     if every:
         out.append(LossLoggingHook(every))
     own_nan = any(isinstance(h, hooks_lib.NanTensorHook) for h in given)
-    if not (config.skip_nonfinite_steps or own_nan):
+    if not (precision.skips_nonfinite(config) or own_nan):
         out.append(NanLossHook("loss"))
     if every:  # logs speed; the summaries come every save_summary_steps (TrainSummaries)
         out.append(hooks_lib.StepCounterHook(every_n_steps=every))
@@ -440,8 +442,11 @@ def _loop_values(config: RunConfig, state: TrainState, losses, steps, host) -> d
     """What hooks can fetch after a loop: per-step loss, global step and named host_call
     tensors (and the count of skipped non-finite steps when they are skipped)."""
     values = {"loss": losses, "global_step": steps}
-    if config.skip_nonfinite_steps:
+    if precision.skips_nonfinite(config):
         values[TrainSummaryHook.NONFINITE] = np.array([int(jax.device_get(state.nonfinite))])
+    if state.loss_scale is not None:  # float16 compute: the scale after the loop
+        scale = float(jax.device_get(state.loss_scale.scale))
+        values[TrainSummaryHook.LOSS_SCALE] = np.array([scale])
     if isinstance(host, dict):
         values.update(host)
     return values

@@ -32,6 +32,7 @@ from ..parallel import zero
 from ..parallel.mesh import DATA
 from ..parallel.replica_context import is_varying
 from ..spec import ModeKeys, TPUEstimatorSpec
+from . import microbatch, precision
 from .model import ModelFn, step_rngs
 
 
@@ -44,6 +45,7 @@ class TrainState(NamedTuple):
     step: jax.Array  # int32 global step
     rng: jax.Array  # uint32 raw key data of the base key
     nonfinite: jax.Array  # int32 count of skipped non-finite steps
+    loss_scale: Any = None  # precision.LossScale with compute_dtype="float16", else None
 
 
 class SpecHolder(dict):
@@ -161,6 +163,8 @@ def _train_step_parts(
     batch_size: int,
     skip_nonfinite: bool,
     input_specs: tuple,
+    compute_dtype: str | None = None,
+    num_microbatches: int = 1,
 ):
     """The two halves of a train step: ``gradients`` (one replica's rows, inside the
     ``shard_map`` over ``"data"``) and ``update`` (the optimizer step on reduced gradients).
@@ -171,36 +175,55 @@ def _train_step_parts(
     parameter slices to the whole parameters model_fn reads, gathered per use.
     ``update(state, loss, grads, new_state, place)`` applies the optimizer;
     ``place(params, opt_state, new_state)`` returns them with their shardings.
+
+    ``compute_dtype`` runs model_fn on cast inputs and parameters (``precision``), with the
+    loss scaled when it is float16; ``num_microbatches`` accumulates the gradient over that
+    many micro-batches of the replica's rows (``microbatch``).
     """
+    dtype = precision.dtype_of(compute_dtype)
+    rows = microbatch.micro_rows(batch_size, num_microbatches)
 
     def gradients(state: TrainState, features, labels, *, view=None):
         features, labels = constrain(features, input_specs[0]), constrain(labels, input_specs[1])
-        rngs = step_rngs(jax.random.wrap_key_data(state.rng), state.step, lax.axis_index(DATA))
-        mask = jnp.ones((batch_size,), jnp.float32)
-        mutable = tuple(state.state)
-
-        def loss_fn(params):
-            if view is not None:
-                params = view(params)
-            spec, new_state = model.apply(
-                _variables(params, state.state),
-                features,
-                labels,
-                mode=ModeKeys.TRAIN,
-                batch_size=batch_size,
-                mask=mask,
-                step=state.step,
-                rngs=rngs,
-                mutable=mutable,
-            )
-            holder[ModeKeys.TRAIN] = spec
-            return _scalar_loss(spec), (new_state, host_tensors(spec.host_call))
-
+        key = jax.random.wrap_key_data(state.rng)
         varying = jax.tree.map(_to_varying, state.params)
-        if view is not None:  # FSDP: the backward pass gathers each parameter again
-            loss_fn = zero.remat_gathered(loss_fn)
-        (loss, (new_state, host)), grads = jax.value_and_grad(loss_fn, has_aux=True)(varying)
-        return loss, grads, new_state, host
+
+        def one(collections, features, labels, micro):
+            rngs = step_rngs(
+                key if micro is None else jax.random.fold_in(key, micro),
+                state.step,
+                lax.axis_index(DATA),
+            )
+
+            def loss_fn(params):
+                if view is not None:
+                    params = view(params)
+                spec, new_state = model.apply(
+                    _variables(precision.cast_floats(params, dtype), collections),
+                    precision.cast_floats(features, dtype),
+                    labels,
+                    mode=ModeKeys.TRAIN,
+                    batch_size=rows,
+                    mask=jnp.ones((rows,), jnp.float32),
+                    step=state.step,
+                    rngs=rngs,
+                    mutable=tuple(collections),
+                )
+                holder[ModeKeys.TRAIN] = spec
+                loss = _scalar_loss(spec)
+                host = precision.float32_outputs(host_tensors(spec.host_call), dtype)
+                new_state = precision.keep_dtypes(new_state, collections)
+                return precision.scale_loss(loss, state.loss_scale), (loss, new_state, host)
+
+            if view is not None:  # FSDP: the backward pass gathers each parameter again
+                loss_fn = zero.remat_gathered(loss_fn)
+            (_, (loss, new, host)), grads = jax.value_and_grad(loss_fn, has_aux=True)(varying)
+            return loss, grads, new, host
+
+        loss, grads, new_state, host = microbatch.accumulate(
+            one, state.state, state.params, features, labels, num_microbatches
+        )
+        return loss, precision.unscale(grads, state.loss_scale), new_state, host
 
     def update(state: TrainState, loss, grads, new_state, place) -> TrainState:
         tx = holder[ModeKeys.TRAIN].train_op
@@ -208,11 +231,22 @@ def _train_step_parts(
         params, opt_state, new_state = place(
             optax.apply_updates(state.params, updates), opt_state, new_state
         )
-        new = TrainState(params, new_state, opt_state, state.step + 1, state.rng, state.nonfinite)
-        if skip_nonfinite:  # skipped if its loss, its gradient or the new state is not finite
+        new = TrainState(
+            params,
+            new_state,
+            opt_state,
+            state.step + 1,
+            state.rng,
+            state.nonfinite,
+            state.loss_scale,
+        )
+        if skip_nonfinite or state.loss_scale is not None:
+            # skipped if its loss, its gradient or the new state is not finite
             finite = jnp.isfinite(loss) & jnp.all(finite_flags(grads)) & jnp.all(_state_flags(new))
             kept = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, state)
             new = kept._replace(step=state.step + 1, nonfinite=state.nonfinite + (~finite))
+            if state.loss_scale is not None:
+                new = new._replace(loss_scale=precision.next_loss_scale(state.loss_scale, finite))
         return new
 
     return gradients, update
@@ -230,6 +264,8 @@ def make_train_loop(
     input_specs: tuple = (None, None),
     shard_optimizer_state: bool = False,
     shard_params: bool = False,
+    compute_dtype: str | None = None,
+    num_microbatches: int = 1,
 ):
     """``loop(state, batch) -> (state, (loss[n], host_tensors[n, ...], finite[n, leaves]))``,
     state donated. ``finite`` flags every floating-point leaf of the new params, collections
@@ -250,6 +286,8 @@ def make_train_loop(
         batch_size=batch_size,
         skip_nonfinite=skip_nonfinite,
         input_specs=input_specs,
+        compute_dtype=compute_dtype,
+        num_microbatches=num_microbatches,
     )
     if (shard_optimizer_state or shard_params) and mesh.shape[DATA] > 1:
         return make_sharded_state_train_loop(
@@ -365,11 +403,14 @@ def make_eval_loop(
     batch_size: int,
     unroll: bool = False,
     input_specs: tuple = (None, None),
+    compute_dtype: str | None = None,
 ):
     """EVAL: ``loop(variables, step, rng, batch) -> (loss[n, R], metric tensors[n, GB, ...])``.
 
-    PREDICT: the same signature returning ``predictions[n, GB, ...]``.
+    PREDICT: the same signature returning ``predictions[n, GB, ...]``. ``compute_dtype``
+    runs model_fn on cast inputs and parameters; what reaches the host is float32.
     """
+    dtype = precision.dtype_of(compute_dtype)
 
     def step_fn(carry, batch):
         variables, step, rng = carry
@@ -377,8 +418,8 @@ def make_eval_loop(
         features, labels = constrain(features, input_specs[0]), constrain(labels, input_specs[1])
         rngs = step_rngs(jax.random.wrap_key_data(rng), step, lax.axis_index(DATA))
         spec, _ = model.apply(
-            variables,
-            features,
+            precision.cast_params(variables, dtype),
+            precision.cast_floats(features, dtype),
             labels,
             mode=mode,
             batch_size=batch_size,
@@ -388,8 +429,9 @@ def make_eval_loop(
         )
         holder[mode] = spec
         if mode == ModeKeys.PREDICT:
-            return carry, spec.predictions
-        return carry, (jnp.reshape(_scalar_loss(spec), (1,)), host_tensors(spec.eval_metrics))
+            return carry, precision.float32_outputs(spec.predictions, dtype)
+        metrics = precision.float32_outputs(host_tensors(spec.eval_metrics), dtype)
+        return carry, (jnp.reshape(_scalar_loss(spec), (1,)), metrics)
 
     def loop(variables, step, rng, features, labels, mask):
         _, outs = _scan(step_fn, (variables, step, rng), (features, labels, mask), unroll)
@@ -474,9 +516,11 @@ def make_fresh_train_state(
     opt_shardings: Any = None,
     compiler_options: dict | None = None,
     drawn_params: Any = None,
+    loss_scale: bool = False,
 ):
     """One program for a fresh start: ``state(rng, features, labels) -> (variables,
-    opt_state, {"step", "rng", "nonfinite"})``, every output placed on the mesh.
+    opt_state, {"step", "rng", "nonfinite"[, "loss_scale"]})``, every output placed on the
+    mesh (``loss_scale``: float16's initial ``precision.LossScale``).
 
     ``init`` is ``make_init``'s TRAIN program (already traced once, so this trace reuses it);
     ``var_shardings`` the variables' NamedShardings. ``opt_shardings`` (None: the compiler's
@@ -498,6 +542,8 @@ def make_fresh_train_state(
         if with_optimizer:
             opt_state = holder[ModeKeys.TRAIN].train_op.init(variables.get("params", {}))
         extras = {"step": step, "rng": rng, "nonfinite": jnp.zeros((), jnp.int32)}
+        if loss_scale:
+            extras["loss_scale"] = precision.initial_loss_scale()
         return variables, opt_state, extras
 
     return jax.jit(

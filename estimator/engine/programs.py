@@ -18,6 +18,7 @@ from ..config import RunConfig
 from ..errors import EstimatorValueError
 from ..parallel import partitioning
 from ..spec import ModeKeys, TPUEstimatorSpec
+from . import precision
 from .loops import SpecHolder, make_eval_loop, make_init, make_train_loop
 from .model import ModelFn
 
@@ -68,11 +69,13 @@ class Programs:
                 self.specs,
                 batch_size=batch_size,
                 unroll=self.unrolled(ModeKeys.TRAIN),
-                skip_nonfinite=self.config.skip_nonfinite_steps,
+                skip_nonfinite=precision.skips_nonfinite(self.config),
                 var_specs=self.var_specs,
                 input_specs=self.input_specs(),
                 shard_optimizer_state=self.config.tpu_config.shard_optimizer_state,
                 shard_params=self.config.tpu_config.shard_params,
+                compute_dtype=self.config.tpu_config.compute_dtype,
+                num_microbatches=self.config.tpu_config.num_microbatches,
             ),
         )
 
@@ -90,6 +93,7 @@ class Programs:
                 batch_size=batch_size,
                 unroll=self.unrolled(mode),
                 input_specs=self.input_specs(),
+                compute_dtype=self.config.tpu_config.compute_dtype,
             ),
         )
 

@@ -21,6 +21,7 @@ from ..parallel import partitioning, zero
 from ..parallel.mesh import DATA
 from ..runtime import init_compiler_options, seed_key_data
 from ..spec import ModeKeys
+from . import microbatch, precision
 from .loops import TrainState, make_fresh_train_state, make_split_init
 from .programs import Programs
 
@@ -97,10 +98,20 @@ def split_params(variables: dict) -> tuple[Any, dict]:
     return params, variables
 
 
+def _uses_loss_scale(programs: Programs) -> bool:
+    return precision.uses_loss_scale(programs.config.tpu_config.compute_dtype)
+
+
 def to_train_state(variables: dict, train: dict) -> TrainState:
     params, rest = split_params(variables)
     return TrainState(
-        params, rest, train["opt_state"], train["step"], train["rng"], train["nonfinite"]
+        params,
+        rest,
+        train["opt_state"],
+        train["step"],
+        train["rng"],
+        train["nonfinite"],
+        train.get("loss_scale"),
     )
 
 
@@ -112,6 +123,8 @@ def train_state_parts(state: TrainState) -> tuple[dict, dict]:
         "rng": state.rng,
         "nonfinite": state.nonfinite,
     }
+    if state.loss_scale is not None:  # float16 compute: checkpointed as loss_scale/...
+        train["loss_scale"] = state.loss_scale
     return variables, train
 
 
@@ -134,6 +147,7 @@ def fresh_train_state(
     shapes, shardings = _sharded(programs, boxed)
     tx = programs.spec(ModeKeys.TRAIN).train_op
     params_shape = shapes.get("params", {})
+    microbatch.check_opt_state(jax.eval_shape(tx.init, params_shape))
     over = over_replicas(programs, params_shape, jax.eval_shape(tx.init, params_shape))
     if over is not None:
         shardings = {**shardings, "params": over[0]}
@@ -152,6 +166,7 @@ def fresh_train_state(
             opt_shardings=None if over is None else over[1],
             compiler_options=init_compiler_options(elements),
             drawn_params=drawn_params,
+            loss_scale=_uses_loss_scale(programs),
         )
 
     rng, _, features, labels = args

@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..engine import precision
 from ..engine.loops import TrainState
 from ..engine.programs import Programs
 from ..engine.state import (
@@ -49,12 +50,15 @@ def _replicated(mesh: Mesh, tree: Any) -> Any:
 
 def _train_extras(programs: Programs, params: Any) -> dict:
     tx = programs.spec(ModeKeys.TRAIN).train_op
-    return {
+    extras = {
         "opt_state": jax.eval_shape(tx.init, params),
         "step": jax.ShapeDtypeStruct((), jnp.int32),
         "rng": jax.ShapeDtypeStruct((2,), jnp.uint32),
         "nonfinite": jax.ShapeDtypeStruct((), jnp.int32),
     }
+    if precision.uses_loss_scale(programs.config.tpu_config.compute_dtype):
+        extras["loss_scale"] = precision.loss_scale_shapes()  # float16's dynamic loss scale
+    return extras
 
 
 def _with_shardings(tree: Any, shardings: Any) -> Any:
