@@ -127,12 +127,17 @@ def train_and_evaluate(est, train_spec: TrainSpec, eval_spec: EvalSpec) -> tuple
     if not isinstance(eval_spec, EvalSpec):
         raise EstimatorTypeError(f"eval_spec must be an EvalSpec, got {type(eval_spec).__name__}")
     listener = _EvalOnCheckpoint(est, eval_spec)
-    est.train(
-        train_spec.input_fn,
-        hooks=train_spec.hooks,
-        max_steps=train_spec.max_steps,
-        saving_listeners=[listener],
-    )
+    programs = est._job.programs  # the evaluation program compiles while training runs
+    programs.expect_evaluation(steps=eval_spec.steps)
+    try:
+        est.train(
+            train_spec.input_fn,
+            hooks=train_spec.hooks,
+            max_steps=train_spec.max_steps,
+            saving_listeners=[listener],
+        )
+    finally:
+        programs.expected_eval = None
     step = _global_step(est)
     if listener.last_step != step:
         listener.evaluate(step)

@@ -154,6 +154,8 @@ def fresh_train_state(
             drawn_params=drawn_params,
         )
 
+    if init_fn is None:  # the train loop compiles on a thread while init's program does
+        programs.compile_train_ahead(shapes, shardings, example)
     rng, _, features, labels = args
     program = program_of(init)
     if over is not None:  # split state: each device initialises only its slices
