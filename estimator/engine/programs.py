@@ -215,10 +215,8 @@ class Programs:
             steps=steps,
             rng=seed_key_data(self.config.tf_random_seed),
         )
-        costs = self.costs(ModeKeys.EVAL, batch)
-        self.infer(ModeKeys.EVAL, batch).compile_ahead(
-            steps, specs, on_done=lambda seconds: costs.launched(steps, seconds)
-        )
+        done = self.costs(ModeKeys.EVAL, batch).ahead(steps)
+        self.infer(ModeKeys.EVAL, batch).compile_ahead(steps, specs, on_done=done)
         log.debug("Compiling the evaluation program (%d steps) while training runs", steps)
         return True
 

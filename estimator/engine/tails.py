@@ -104,6 +104,19 @@ class CallCosts:
             self.compile_s.append(seconds)
             return True
 
+    def ahead(self, steps: int) -> Callable[[float], None]:
+        """A program for ``steps`` is compiling ahead (``engine/ahead.py``): it counts as
+        existing from now on (its compile is paid already); the function returned records its
+        compile seconds once done."""
+        with self._lock:
+            self.lengths.add(steps)
+
+        def done(seconds: float) -> None:
+            with self._lock:
+                self.compile_s.append(seconds)
+
+        return done
+
     def finished(self, steps: int, at: float, *, new: bool) -> None:
         """A call of ``steps`` steps had its outputs on the host at time ``at``; the time since
         the previous call's is its device time when the devices were busy all along. Calls

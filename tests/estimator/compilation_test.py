@@ -29,12 +29,12 @@ from tests import helpers as h
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run_job(model_dir: Path, cache_home: Path) -> dict:
+def _run_job(model_dir: Path, cache_home: Path, *how: str) -> dict:
     """The _startup_job in a fresh process whose default cache lives under ``cache_home``."""
     env = {k: v for k, v in os.environ.items() if k != compilation.ENV_VAR}
     env["XDG_CACHE_HOME"] = str(cache_home)
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.estimator._startup_job", str(model_dir)],
+        [sys.executable, "-m", "tests.estimator._startup_job", str(model_dir), *how],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -286,3 +286,16 @@ def test_compile_counter_reports_seconds_per_program(tmp_path):
     assert [name for name, _, _ in counter.programs] == counter.names
     assert all(seconds > 0 and not hit for _, seconds, hit in counter.programs)
     assert counter.compiled_seconds() == pytest.approx(counter.seconds)
+
+
+def test_a_second_process_loads_every_program_compiled_ahead_from_the_cache(tmp_path):
+    """train_and_evaluate compiles the train loop beside init and the eval program during
+    training, on threads: those compiles go to the persistent cache like any other, so a
+    fresh process with the same cache compiles nothing (only cache hits)."""
+    cold = _run_job(tmp_path / "one", tmp_path / "home", "tae")
+    assert cold["cache_hits"] == 0
+    assert sorted(cold["names"]) == ["jit(fresh)", "jit(loop)", "jit(loop)"], cold["names"]
+    warm = _run_job(tmp_path / "two", tmp_path / "home", "tae")
+    assert warm["compiled"] == 0, warm["names"]
+    assert warm["cache_hits"] == warm["events"] == cold["events"]
+    assert warm["results"] == cold["results"]
