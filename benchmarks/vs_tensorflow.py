@@ -351,8 +351,8 @@ def main(argv: list[str] | None = None) -> str:
         "'first loop s': from before the estimator is built to the end of the first training "
         f"loop ({IPL} steps: a hook's after_run, on both sides); 'job s': to evaluate's "
         "return; 'process s': the whole process, Python and framework imports included. "
-        "'compile s per program': median XLA compile (or cache load) seconds of each program, "
-        "in the order they finished; compiles ahead run on threads, so they overlap. "
+        "'compile s per program': median XLA compile (or cache load) seconds of each program "
+        "(init, train loop, eval loop); compiles ahead run on threads, so they overlap. "
         "'... to TF': median over repeats of ours / TF's, same repeat (< 1 is faster).",
         "TensorFlow: "
         + (
