@@ -111,6 +111,12 @@ class _EvalOnCheckpoint(hooks_lib.CheckpointSaverListener):
         self.timer.update_last_triggered_step(step)
 
     @property
+    def evaluation_steps(self) -> int | None:
+        """The steps each evaluation runs (None: the whole input). Training reads it to
+        compile the evaluation program while it trains (``Programs.compile_eval_ahead``)."""
+        return self.spec.steps
+
+    @property
     def last_step(self) -> int | None:
         return self.timer.last_triggered_step()
 
@@ -127,17 +133,12 @@ def train_and_evaluate(est, train_spec: TrainSpec, eval_spec: EvalSpec) -> tuple
     if not isinstance(eval_spec, EvalSpec):
         raise EstimatorTypeError(f"eval_spec must be an EvalSpec, got {type(eval_spec).__name__}")
     listener = _EvalOnCheckpoint(est, eval_spec)
-    programs = est._job.programs  # the evaluation program compiles while training runs
-    programs.expect_evaluation(steps=eval_spec.steps)
-    try:
-        est.train(
-            train_spec.input_fn,
-            hooks=train_spec.hooks,
-            max_steps=train_spec.max_steps,
-            saving_listeners=[listener],
-        )
-    finally:
-        programs.expected_eval = None
+    est.train(
+        train_spec.input_fn,
+        hooks=train_spec.hooks,
+        max_steps=train_spec.max_steps,
+        saving_listeners=[listener],
+    )
     step = _global_step(est)
     if listener.last_step != step:
         listener.evaluate(step)

@@ -1,11 +1,11 @@
 """The compiled programs of one estimator and what tracing model_fn taught.
 
 ``Programs`` builds each loop once per (kind, batch size) and keeps it, so a second
-``evaluate`` or the evaluations between training rounds compile nothing. When a job will
-evaluate (``expect_evaluation``: ``train_and_evaluate``), the evaluation program compiles on a
-thread while training runs (``compile_eval_ahead``, ``engine/ahead.py``). Tracing model_fn
-records the spec of each mode (``spec(mode)``) and the variables' partition specs
-(``var_specs``, known after the first trace), which later programs and restores need.
+``evaluate`` or the evaluations between training rounds compile nothing. The train loop
+compiles on a thread while init does, and in ``train_and_evaluate`` the evaluation program
+while training runs (``compile_train_ahead`` / ``compile_eval_ahead``, ``engine/ahead.py``).
+Tracing model_fn records the spec of each mode (``spec(mode)``) and the variables' partition
+specs (``var_specs``, known after the first trace), which later programs and restores need.
 """
 
 from __future__ import annotations
@@ -60,9 +60,6 @@ class Programs:
         self.var_specs: Any = None
         self._cache: dict[tuple, Callable] = {}
         self._costs: dict[tuple, CallCosts] = {}
-        # (steps,) of the evaluation the job will run (train_and_evaluate says so); None: not
-        # known to evaluate, so nothing is compiled for it ahead.
-        self.expected_eval: tuple[int | None] | None = None
 
     def spec(self, mode: str) -> TPUEstimatorSpec:
         """The spec model_fn returned in ``mode`` (after a program of that mode was traced)."""
@@ -164,25 +161,19 @@ class Programs:
             ),
         )
 
-    def expect_evaluation(self, *, steps: int | None) -> None:
-        """Says the job will evaluate ``steps`` steps (None: its whole input) after training,
-        so ``compile_eval_ahead`` may compile the program meanwhile."""
-        self.expected_eval = (steps,)
-
-    def compile_eval_ahead(self, state: Any, chunk: Any, layout: Any) -> bool:
-        """Starts compiling the evaluation's first program on a thread while training runs,
-        when the job expects an evaluation (``expect_evaluation``). Its input is taken to be
-        shaped like the training ``chunk``'s per example, at the eval ``layout``'s rows;
-        ``state`` is the ``TrainState`` whose variables evaluation will read. Returns whether
-        it started: not with several processes, parameters split over replicas or an
-        unknown eval batch size (those evaluations compile as before)."""
+    def compile_eval_ahead(self, state: Any, chunk: Any, layout: Any, *, steps: int | None) -> bool:
+        """Starts compiling the first program of an evaluation of ``steps`` steps (None: its
+        whole input) on a thread, while training runs (``train_and_evaluate``). Its input is
+        taken to be shaped like the training ``chunk``'s per example, at the eval
+        ``layout``'s rows; ``state`` is the ``TrainState`` whose variables evaluation will
+        read. Returns whether it started: not with several processes, parameters split over
+        replicas or an unknown eval batch size (those evaluations compile as before)."""
         rows = None if layout.broadcast else layout.process_rows
         variables = {"params": state.params, **state.state}
         sig = ahead.chunk_signature(chunk)
         tpu = self.config.tpu_config
         if (
-            self.expected_eval is None
-            or not rows
+            not rows
             or multihost.is_multiprocess()
             or (tpu.shard_params and self.mesh.shape[DATA] > 1)
         ):
@@ -201,7 +192,7 @@ class Programs:
                 local_devices=len(self.mesh.local_devices),
             ),
             iterations_per_loop=tpu.iterations_per_loop,
-            steps=self.expected_eval[0],
+            steps=steps,
             merge_loops=not self.unrolled(ModeKeys.EVAL),
         )
         if steps <= 0:

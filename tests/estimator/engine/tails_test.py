@@ -7,7 +7,8 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
-from estimator.engine import plan, tails
+from estimator.data import plan
+from estimator.engine import tails
 
 
 def test_docstring_examples():
