@@ -1,7 +1,7 @@
 """The tail of an evaluation or prediction: a masked full-length call or calls of its own.
 
 When the input ends inside a call of ``n`` planned steps with ``r`` real ones, two ways run
-the ``r`` steps (``engine/plan.py``):
+the ``r`` steps (``data/plan.py``):
 
 * **split**: whole loops, then powers of two (``split_steps``: 29 of 32 at IPL 4 runs
   ``4 x 7 + 1``): no step computes on padding, but each length not run before is one more
