@@ -7,7 +7,7 @@ Run from the repository root::
 
 Every run is a fresh Python process, timed whole (Python and framework imports included,
 ``process s``) and from just before the estimator is built to ``evaluate``'s return
-(``job s``). Our side
+(``job s``), and to the end of the first training loop (``first loop s``). Our side
 runs three ways, interleaved per repeat: the persistent compilation cache ``off``, ``cold`` (an
 empty cache directory) and ``warm`` (a second process on that directory). Both sides run on
 one device (``use_tpu=False``).
@@ -33,7 +33,9 @@ import time
 
 import numpy as np
 
+import hooks
 from benchmarks import _common as C
+from estimator.compilation import CompileCounter
 
 TF_PYTHON_ENV = "TPU_ESTIMATOR_TF_PYTHON"
 BATCH, IPL, HIDDEN, LEARNING_RATE = 64, 4, 64, 1e-3
@@ -105,18 +107,33 @@ def _ours(cache_dir: str | None, n_steps: int) -> dict:
             train_batch_size=BATCH,
             eval_batch_size=BATCH,
         )
-        with C.CompileCounter().active() as counter:
-            est.train(train_input_fn, max_steps=n_steps)
+        first_loop = _FirstLoop(C.now)
+        with CompileCounter() as counter:
+            est.train(train_input_fn, max_steps=n_steps, hooks=[first_loop])
             results = est.evaluate(eval_input_fn)
         end = C.now()
     finally:
         shutil.rmtree(model_dir, ignore_errors=True)
     return {
         "job_s": end - job_start,
+        "first_loop_s": first_loop.at - job_start,
         "accuracy": float(results["accuracy"]),
         "compiles": counter.compiled,
         "cache_hits": counter.cache_hits,
+        "programs": [[name, seconds, hit] for name, seconds, hit in counter.programs],
     }
+
+
+class _FirstLoop(hooks.SessionRunHook):
+    """Records when the first training loop's outputs are back (``after_run``), on both
+    sides the end of the first ``iterations_per_loop`` steps."""
+
+    def __init__(self, clock):
+        self.clock, self.at = clock, None
+
+    def after_run(self, run_context, run_values):
+        if self.at is None:
+            self.at = self.clock()
 
 
 def probe(key: str, quick: bool) -> None:
@@ -163,15 +180,23 @@ def eval_input_fn(params):
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(params["batch_size"])
 
 
+class FirstLoop(tf.compat.v1.train.SessionRunHook):
+    at = None
+
+    def after_run(self, run_context, run_values):
+        if FirstLoop.at is None:
+            FirstLoop.at = time.time()
+
+
 job_start = time.time()
 est = tpu.TPUEstimator(
     model_fn=model_fn, use_tpu=False, train_batch_size=batch, eval_batch_size=batch,
     config=tpu.RunConfig(model_dir=tempfile.mkdtemp(),
                          tpu_config=tpu.TPUConfig(iterations_per_loop=ipl)))
-est.train(train_input_fn, max_steps=n_steps)
+est.train(train_input_fn, max_steps=n_steps, hooks=[FirstLoop()])
 results = est.evaluate(eval_input_fn)
 end = time.time()
-print("TF_RESULT " + json.dumps({"job_s": end - job_start,
+print("TF_RESULT " + json.dumps({"job_s": end - job_start, "first_loop_s": FirstLoop.at - job_start,
                                   "accuracy": float(results["accuracy"])}), flush=True)
 """
 
@@ -194,7 +219,13 @@ def _run_tf(python: str, data_path: str, quick: bool, tmp: str) -> dict:
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("TF_RESULT "):
             out = json.loads(line.split(" ", 1)[1])
-            return {**out, "wall_s": time.time() - start, "compiles": None, "cache_hits": None}
+            return {
+                **out,
+                "wall_s": time.time() - start,
+                "compiles": None,
+                "cache_hits": None,
+                "programs": None,
+            }
     raise RuntimeError(f"the TensorFlow job failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
 
 
@@ -236,14 +267,41 @@ def measure(quick: bool, repeats: int, modes: tuple[str, ...]) -> dict:
     return out
 
 
+def _keyed(programs: list) -> dict:
+    """``{(name, k): seconds}``: the k-th program of that name (threads may finish programs
+    of different names in either order, but those of one name in the job's order)."""
+    seen: dict = {}
+    out = {}
+    for name, seconds, _ in programs:
+        k = seen[name] = seen.get(name, -1) + 1
+        out[(name, k)] = seconds
+    return out
+
+
+def _compile_seconds(runs: list[dict]) -> str | None:
+    """Median seconds per program (cache hits: loads), named as JAX names them."""
+    if runs[0]["programs"] is None:
+        return None
+    keyed = [_keyed(r["programs"]) for r in runs]
+    parts = []
+    for key in keyed[0]:
+        values = [k[key] for k in keyed if key in k]
+        name = key[0].removeprefix("jit(").removesuffix(")")
+        parts.append(f"{name} {statistics.median(values):.2f}")
+    return " ".join(parts) or "none"
+
+
 def rows(results: dict) -> list[list]:
     tf_runs = results.get("tensorflow")
     out = []
     for case, runs in results.items():
         med = lambda k, rs=runs: statistics.median(r[k] for r in rs)  # noqa: E731
-        ratio = None
+        ratio = first_ratio = None
         if tf_runs and case != "tensorflow":
             ratio = C.median_ratio([r["job_s"] for r in runs], [r["job_s"] for r in tf_runs])
+            first_ratio = C.median_ratio(
+                [r["first_loop_s"] for r in runs], [r["first_loop_s"] for r in tf_runs]
+            )
         loop, _, mode = case.partition(":")
         compiles = None
         if runs[0]["compiles"] is not None:
@@ -252,10 +310,13 @@ def rows(results: dict) -> list[list]:
             [
                 loop,
                 mode or "—",
+                med("first_loop_s"),
                 med("job_s"),
                 med("wall_s"),
                 compiles,
+                _compile_seconds(runs),
                 med("accuracy"),
+                first_ratio,
                 ratio,
             ]
         )
@@ -265,10 +326,13 @@ def rows(results: dict) -> list[list]:
 COLUMNS = [
     "framework",
     "compilation cache",
+    "first loop s",
     "job s",
     "process s",
     "XLA compiles",
+    "compile s per program",
     "accuracy",
+    "first loop to TF",
     "ratio to TF",
 ]
 
@@ -284,8 +348,12 @@ def main(argv: list[str] | None = None) -> str:
         f"MLP {HIDDEN}-{HIDDEN}-10 on digits (1,797 examples), batch {BATCH}, "
         f"iterations_per_loop {IPL}, {steps(args.quick)} steps of Adam, then one evaluation "
         f"of every example; one CPU device (no simulated devices); {repeats} repeats, medians.",
-        "'job s': from before the estimator is built to evaluate's return; 'process s': the "
-        "whole process, Python and framework imports included.",
+        "'first loop s': from before the estimator is built to the end of the first training "
+        f"loop ({IPL} steps: a hook's after_run, on both sides); 'job s': to evaluate's "
+        "return; 'process s': the whole process, Python and framework imports included. "
+        "'compile s per program': median XLA compile (or cache load) seconds of each program "
+        "(init, train loop, eval loop); compiles ahead run on threads, so they overlap. "
+        "'... to TF': median over repeats of ours / TF's, same repeat (< 1 is faster).",
         "TensorFlow: "
         + (
             f"2.15 TPUEstimator(use_tpu=False) from {tf_python()}."

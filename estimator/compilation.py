@@ -113,13 +113,20 @@ class CompileCounter:
     """Counts XLA compilations while active (a context manager, re-entrant per instance).
 
     JAX reports a persistent-cache hit as a backend compile too, so ``compiled`` (what XLA
-    really compiled) is ``events - cache_hits``; ``names`` lists the programs (``jit(loop)``).
+    really compiled) is ``events - cache_hits``; ``names`` lists the programs (``jit(loop)``)
+    and ``programs`` each compile as ``(name, seconds, cache_hit)``, in the order they ended
+    (compiles on other threads included: ``Programs`` compiles some ahead, concurrently).
     """
 
     events: int = 0
     cache_hits: int = 0
     seconds: float = 0.0
     names: list = dataclasses.field(default_factory=list)
+    programs: list = dataclasses.field(default_factory=list)
+
+    def compiled_seconds(self) -> float:
+        """Seconds spent in compiles XLA really ran (cache hits left out)."""
+        return sum(s for _, s, hit in self.programs if not hit)
 
     @property
     def compiled(self) -> int:
@@ -140,6 +147,9 @@ class _Listeners:
         self._active: set[CompileCounter] = set()
         self._lock = threading.Lock()
         self._installed = False
+        # JAX records a cache hit inside the compile it belongs to, on the compiling thread,
+        # before that compile's duration: a per-thread flag pairs them.
+        self._hit = threading.local()
 
     def add(self, counter: CompileCounter) -> None:
         with self._lock:
@@ -156,15 +166,19 @@ class _Listeners:
     def _on_duration(self, event: str, duration: float, **kwargs) -> None:
         if event != BACKEND_COMPILE:
             return
+        hit, self._hit.value = getattr(self._hit, "value", False), False
+        name = str(kwargs.get("fun_name", "?"))
         with self._lock:
             for c in self._active:
                 c.events += 1
                 c.seconds += duration
-                c.names.append(str(kwargs.get("fun_name", "?")))
+                c.names.append(name)
+                c.programs.append((name, duration, hit))
 
     def _on_event(self, event: str, **_) -> None:
         if event != CACHE_HIT:
             return
+        self._hit.value = True
         with self._lock:
             for c in self._active:
                 c.cache_hits += 1

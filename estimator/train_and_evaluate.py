@@ -111,6 +111,12 @@ class _EvalOnCheckpoint(hooks_lib.CheckpointSaverListener):
         self.timer.update_last_triggered_step(step)
 
     @property
+    def evaluation_steps(self) -> int | None:
+        """The steps each evaluation runs (None: the whole input). Training reads it to
+        compile the evaluation program while it trains (``Programs.compile_eval_ahead``)."""
+        return self.spec.steps
+
+    @property
     def last_step(self) -> int | None:
         return self.timer.last_triggered_step()
 

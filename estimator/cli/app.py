@@ -6,7 +6,9 @@
 ``tpu-estimator --config NAME --help`` the fields of a config. The arguments are read and
 checked before JAX is imported (``usage`` and ``configs`` import neither JAX nor the
 estimator), so help answers at once and a typo costs no start-up; ``run`` imports the
-estimator only once they are good. The result is one JSON line on stdout; log lines go to
+estimator only once they are good, and once ``checks.check_job`` found nothing it can see
+without JAX (config fields, paths, a ``--model_dir`` with no checkpoint for evaluate, predict
+and export). The result is one JSON line on stdout; log lines go to
 stderr. A user's mistake (a flag, a config field, a --model_dir without a checkpoint) exits
 with status 2 and one line, another deliberate error of the framework with status 1 and its
 message; ``--verbose`` adds the traceback.
@@ -29,11 +31,10 @@ from typing import IO, Any
 import numpy as np
 
 from ..errors import CheckpointMismatchError, EstimatorError, NoCheckpointError
-from . import configs, usage
+from . import checks, configs, usage
 from .usage import PROG, Invocation, UsageError
 
 log = logging.getLogger("estimator")
-_READS_A_MODEL = ("evaluate", "predict", "export")
 
 
 def main(argv: list[str] | None = None, *, out: IO[str] | None = None) -> int:
@@ -124,7 +125,7 @@ def _fail(error: BaseException, verbose: bool, *, hint: str | None = None, statu
 
 def _model_dir(inv: Invocation) -> str:
     if inv.model_dir is None:
-        if inv.command in _READS_A_MODEL:
+        if inv.command in checks.READS_A_MODEL:
             raise UsageError(
                 f"{inv.command} reads a trained model: give --model_dir DIR "
                 f"(train one with: {PROG} train --model_dir DIR)"
@@ -144,6 +145,14 @@ def run(inv: Invocation, *, out: IO[str] | None = None) -> dict[str, Any] | None
     config = configs.load_config(inv.config)
     configs.apply_overrides(config, inv.overrides)
     model_dir = _model_dir(inv)
+    # What needs no JAX is checked first, so a user's mistake answers in well under a second.
+    checks.check_job(
+        inv.command,
+        config,
+        model_dir=inv.model_dir,
+        output=inv.output,
+        export_dir=inv.export_dir,
+    )
     # The estimator (and JAX) only now that the arguments are good; see the module docstring.
     import jax
 

@@ -21,6 +21,7 @@ from ..input_context import InputContext
 from ..io import export as export_lib
 from ..spec import ModeKeys
 from ..tpu_estimator import TPUEstimator
+from .checks import RUN_CONFIG_FIELDS, TPU_CONFIG_FIELDS, given_fields
 from .configs import DEFAULT_CONFIG, apply_overrides, load_config
 from .usage import UsageError, did_you_mean
 
@@ -34,43 +35,14 @@ __all__ = [
     "run_config",
 ]
 
-# config field -> RunConfig / TPUConfig argument; a field the config lacks keeps the default.
-RUN_CONFIG_FIELDS = {
-    "save_checkpoints_steps": "save_checkpoints_steps",
-    "keep_checkpoint_max": "keep_checkpoint_max",
-    "save_summary_steps": "save_summary_steps",
-    "log_step_count_steps": "log_step_count_steps",
-    "seed": "tf_random_seed",
-    "compilation_cache_dir": "compilation_cache_dir",
-}
-TPU_CONFIG_FIELDS = {
-    "iterations_per_loop": "iterations_per_loop",
-    "num_cores_per_replica": "num_cores_per_replica",
-    "host_call_every_n_steps": "host_call_every_n_steps",
-    "unroll_loops": "unroll_loops",
-    "shard_optimizer_state": "shard_optimizer_state",
-    "shard_params": "shard_params",
-}
-
-
-def _given(config: ml_collections.ConfigDict, fields: dict[str, str]) -> dict:
-    # 0 / "" in a config mean "not set" for these optional fields (None cannot be overridden
-    # from the command line with a typed value).
-    unset = {"num_cores_per_replica": 0, "compilation_cache_dir": ""}
-    return {
-        arg: config[key]
-        for key, arg in fields.items()
-        if key in config and config[key] != unset.get(key, object())
-    }
-
 
 def run_config(config: ml_collections.ConfigDict, model_dir: str | None) -> RunConfig:
     """The RunConfig of a job config (joining a cluster when TF_CONFIG or a pod says so)."""
     return RunConfig(
         model_dir=model_dir,
-        tpu_config=TPUConfig(**_given(config, TPU_CONFIG_FIELDS)),
+        tpu_config=TPUConfig(**given_fields(config, TPU_CONFIG_FIELDS)),
         cluster=from_environment(),
-        **_given(config, RUN_CONFIG_FIELDS),
+        **given_fields(config, RUN_CONFIG_FIELDS),
     )
 
 

@@ -81,13 +81,15 @@ class Feeder:
         merge_loops: bool = False,
         skip: int = 0,
         interrupt: threading.Event | None = None,
+        pad_short: Callable[[int, int], bool] | None = None,
     ):
         """The chunks of every compiled call, staged ahead on a thread and agreed across
         processes. ``schedule()`` gives each loop's steps (<= 0 ends); ``fill`` (eval and
         predict) runs a loop the input ends inside as calls of power-of-two lengths;
         ``merge_loops`` (eval) lets a call run several whole loops; ``skip`` batches already
         consumed are passed over first. Once ``interrupt`` is set, a wait for the next chunk
-        ends as the end of the input."""
+        ends as the end of the input. ``pad_short(real, planned)`` (eval and predict) may run
+        a call the input cut short padded to its planned length instead (``engine/tails.py``)."""
         tpu = self.config.tpu_config
         chunks = stream_calls(
             pipe,
@@ -106,6 +108,7 @@ class Feeder:
             on_skip_short=lambda n: log.warning(
                 "Input ended while skipping %d consumed batches.", n
             ),
+            pad_short=pad_short,
         )
         # One call staged ahead: with two running or queued and one being transferred, at
         # most four calls' input are on a device at once.

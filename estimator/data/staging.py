@@ -9,7 +9,8 @@ neither host nor device input grows with ``iterations_per_loop``.
 
 When the input ends inside a call, the steps read so far run as whole loops and then calls
 of power-of-two lengths (one process) so no compiled step sees only padding and the programs
-stay few; with
+stay few, or, in evaluation and prediction where that costs less (``engine/tails.py``), as
+the planned call with its last steps padding; with
 several processes, whose inputs may end at different steps, the call is padded to its
 planned length and the processes agree on its real steps (``SyncedChunks``).
 """
@@ -50,11 +51,23 @@ class Stager:
         ``loop`` steps, then powers of two.
       fill: pad a call the input cut short to its planned length instead.
       loop: ``iterations_per_loop``.
+      pad_short: with ``split_short``, ``pad_short(real, planned)`` may choose the padded
+        call for a call the input cut short (``engine/tails.py``: whichever costs less).
     """
 
-    def __init__(self, pipe: Pipeline, mesh: Mesh, *, split_short: bool, fill: bool, loop: int):
+    def __init__(
+        self,
+        pipe: Pipeline,
+        mesh: Mesh,
+        *,
+        split_short: bool,
+        fill: bool,
+        loop: int,
+        pad_short: Callable[[int, int], bool] | None = None,
+    ):
         self._pipe, self._mesh = pipe, mesh
         self._split, self._fill, self._loop = split_short, fill, loop
+        self._pad_short = pad_short
         self.ended = False  # the input ended inside (or before) the last call read
 
     def read(self, call: plan.Call) -> list[Chunk]:
@@ -72,7 +85,7 @@ class Stager:
         ended = self.ended = real < n
         if real == 0:
             return []
-        if ended and self._fill:
+        if ended and (self._fill or (self._pad_short is not None and self._pad_short(real, n))):
             for buf in bufs:
                 buf[real:n] = 0
             mask[real:n] = False
@@ -121,13 +134,14 @@ def stream_calls(
     merge_loops: bool = False,
     skip: int = 0,
     on_skip_short: Callable[[int], None] | None = None,
+    pad_short: Callable[[int, int], bool] | None = None,
 ) -> Iterator[Chunk]:
     """The chunks of every planned call, in order (run it on the prefetch thread).
 
     ``next_loop()`` gives each loop's steps (<= 0 ends); ``merge_loops`` lets one call run
     several whole loops that fit the budget (evaluation: ``plan.loops_per_call``); ``skip``
     batches are fast-forwarded first (``on_skip_short(skip)`` is called when the input ends
-    before).
+    before). ``pad_short`` chooses how a call the input cut short runs (``Stager``).
     """
     if skip and pipe.skip(skip) < skip and on_skip_short is not None:
         on_skip_short(skip)
@@ -140,7 +154,12 @@ def stream_calls(
     )
     split = not multihost.is_multiprocess()
     stager = Stager(
-        pipe, mesh, split_short=split, fill=fill and not split, loop=iterations_per_loop
+        pipe,
+        mesh,
+        split_short=split,
+        fill=fill and not split,
+        loop=iterations_per_loop,
+        pad_short=pad_short if fill else None,
     )
     for call in plan.plan_calls(next_loop, k=k, exact_tail=exact_tail, merge=merge):
         yield from stager.read(call)

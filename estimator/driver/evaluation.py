@@ -12,6 +12,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..engine import tails
 from ..engine.state import one_copy_on_cpu
 from ..errors import EstimatorValueError
 from ..io.eval_events import write_eval_events
@@ -59,7 +60,17 @@ def device_loops(
 
     # Evaluation may run several loops per call, unless unrolled programs would grow with it.
     merge = mode == ModeKeys.EVAL and not job.programs.unrolled(mode)
-    prefetch = job.feeder.prefetch(pipe, schedule, fill=True, merge_loops=merge)
+
+    def costs():  # of this mode's programs at the input's batch size (engine/tails.py)
+        return job.programs.costs(mode, pipe.rows_per_step // job.num_replicas)
+
+    prefetch = job.feeder.prefetch(
+        pipe,
+        schedule,
+        fill=True,
+        merge_loops=merge,
+        pad_short=lambda real, planned: costs().pad(real, planned, ipl),
+    )
     try:
         chunk = next(prefetch, None)
         if chunk is None:
@@ -102,7 +113,9 @@ def device_loops(
         # requested in after_run drops the call already queued (evaluation keeps no position).
         calls = itertools.chain([chunk], prefetch)
         chunk = None  # the first call's input goes with its call
-        fetched = dispatch.dispatch(calls, launch=launch, fetch=to_host)
+        fetched = tails.measured(
+            costs(), launch, lambda launch: dispatch.dispatch(calls, launch=launch, fetch=to_host)
+        )
         done, start, losses, counters = 0, 0, [], None
         for part, outs in _by_loop(fetched, ipl):
             if counters is None:  # the first part of a loop

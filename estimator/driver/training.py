@@ -492,6 +492,11 @@ def _train(
     started.first = None
     if signals.requested and not multihost.is_multiprocess():
         first = None  # stopped during start-up: save the state as it is
+    # A listener that evaluates (train_and_evaluate's) has its eval program compile meanwhile.
+    evals = [x.evaluation_steps for x in saver.listeners if hasattr(x, "evaluation_steps")]
+    if first is not None and evals:
+        layout = job.feeder.layout(ModeKeys.EVAL)
+        job.programs.compile_eval_ahead(run.state, first, layout, steps=evals[0])
     loops = dispatch.loops_of(prefetch, first) if first is not None else iter(())
     del first  # the loop holds it until its call is dispatched
     job.store.forget()  # the state is donated to the loop from here on

@@ -1,26 +1,42 @@
 """The compiled programs of one estimator and what tracing model_fn taught.
 
 ``Programs`` builds each loop once per (kind, batch size) and keeps it, so a second
-``evaluate`` or the evaluations between training rounds compile nothing. Tracing model_fn
-records the spec of each mode (``spec(mode)``) and the variables' partition specs
-(``var_specs``, known after the first trace), which later programs and restores need.
+``evaluate`` or the evaluations between training rounds compile nothing. The train loop
+compiles on a thread while init does, and in ``train_and_evaluate`` the evaluation program
+while training runs (``compile_train_ahead`` / ``compile_eval_ahead``, ``engine/ahead.py``).
+Tracing model_fn records the spec of each mode (``spec(mode)``) and the variables' partition
+specs (``var_specs``, known after the first trace), which later programs and restores need.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import Mesh
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ..config import RunConfig
+from ..data import plan
 from ..errors import EstimatorValueError
-from ..parallel import partitioning
+from ..parallel import multihost, partitioning
+from ..parallel.mesh import DATA
+from ..runtime import seed_key_data
 from ..spec import ModeKeys, TPUEstimatorSpec
-from . import precision
-from .loops import SpecHolder, make_eval_loop, make_init, make_train_loop
+from . import ahead, precision
+from .loops import SpecHolder, TrainState, make_eval_loop, make_init, make_train_loop
 from .model import ModelFn
+from .tails import CallCosts
+
+log = logging.getLogger("estimator")
+
+
+def _train_steps(args: tuple) -> int:
+    """The steps of a train loop call ``(state, features, labels)``."""
+    return jax.tree.leaves(args[1])[0].shape[0]
 
 
 class Programs:
@@ -43,6 +59,7 @@ class Programs:
         # PartitionSpecs of the variables (``nn.with_partitioning``), set by the first trace.
         self.var_specs: Any = None
         self._cache: dict[tuple, Callable] = {}
+        self._costs: dict[tuple, CallCosts] = {}
 
     def spec(self, mode: str) -> TPUEstimatorSpec:
         """The spec model_fn returned in ``mode`` (after a program of that mode was traced)."""
@@ -63,21 +80,69 @@ class Programs:
         steps (``finite``: per-step all-finite flags of the new state, ``loops.finite_flags``)."""
         return self._get(
             ("train", batch_size),
-            lambda: make_train_loop(
-                self.model,
-                self.mesh,
-                self.specs,
-                batch_size=batch_size,
-                unroll=self.unrolled(ModeKeys.TRAIN),
-                skip_nonfinite=precision.skips_nonfinite(self.config),
-                var_specs=self.var_specs,
-                input_specs=self.input_specs(),
-                shard_optimizer_state=self.config.tpu_config.shard_optimizer_state,
-                shard_params=self.config.tpu_config.shard_params,
-                compute_dtype=self.config.tpu_config.compute_dtype,
-                num_microbatches=self.config.tpu_config.num_microbatches,
-            ),
+            lambda: ahead.AheadCall(self._make_train_loop(batch_size), steps_of=_train_steps),
         )
+
+    def _make_train_loop(self, batch_size: int) -> Callable:
+        return make_train_loop(
+            self.model,
+            self.mesh,
+            self.specs,
+            batch_size=batch_size,
+            unroll=self.unrolled(ModeKeys.TRAIN),
+            skip_nonfinite=precision.skips_nonfinite(self.config),
+            var_specs=self.var_specs,
+            input_specs=self.input_specs(),
+            shard_optimizer_state=self.config.tpu_config.shard_optimizer_state,
+            shard_params=self.config.tpu_config.shard_params,
+            compute_dtype=self.config.tpu_config.compute_dtype,
+            num_microbatches=self.config.tpu_config.num_microbatches,
+        )
+
+    def compile_train_ahead(self, shapes: dict, shardings: Any, example: tuple) -> bool:
+        """Starts compiling the train loop for calls like ``example`` (the first call's
+        stacked ``(features, labels)``) on a thread, while the
+        program that makes a fresh state compiles (``engine/state.py``): two independent
+        compiles, overlapped. ``shapes`` / ``shardings`` are the unboxed variables' and their
+        NamedShardings. Returns whether it started: only for a replicated state on one
+        process (otherwise the loop's input shardings are the compiler's to choose)."""
+        tpu = self.config.tpu_config
+        if (
+            multihost.is_multiprocess()
+            or tpu.compute_dtype == "float16"  # the state carries a loss scale: built as before
+            or ((tpu.shard_params or tpu.shard_optimizer_state) and self.mesh.shape[DATA] > 1)
+            or not all(s.is_fully_replicated for s in jax.tree.leaves(shardings))
+        ):
+            return False
+        replicated = NamedSharding(self.mesh, P())
+
+        def rep(tree):
+            return jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), tree
+            )
+
+        params = shapes.get("params", {})
+        rest = {k: v for k, v in shapes.items() if k != "params"}
+        opt_state = jax.eval_shape(self.spec(ModeKeys.TRAIN).train_op.init, params)
+        rng = seed_key_data(self.config.tf_random_seed)
+        scalar = jax.ShapeDtypeStruct((), np.int32, sharding=replicated)
+        state = TrainState(
+            rep(params),
+            rep(rest),
+            rep(opt_state),
+            scalar,
+            jax.ShapeDtypeStruct(rng.shape, rng.dtype, sharding=replicated),
+            scalar,
+        )
+
+        def like(x):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+        features, labels = jax.tree.map(like, tuple(example))
+        leaves = jax.tree.leaves(features)
+        batch = leaves[0].shape[1] // self.mesh.shape[DATA]
+        self.train(batch).compile_ahead(leaves[0].shape[0], (state, features, labels))
+        return True
 
     def infer(self, mode: str, batch_size: int) -> Callable:
         """The EVAL or PREDICT loop: ``loop(variables, step, rng, features, labels, mask)``."""
@@ -85,17 +150,75 @@ class Programs:
             raise EstimatorValueError(f"infer() runs EVAL or PREDICT, got mode {mode!r}")
         return self._get(
             (mode, batch_size),
-            lambda: make_eval_loop(
-                self.model,
-                self.mesh,
-                self.specs,
-                mode=mode,
-                batch_size=batch_size,
-                unroll=self.unrolled(mode),
-                input_specs=self.input_specs(),
-                compute_dtype=self.config.tpu_config.compute_dtype,
+            lambda: ahead.AheadCall(
+                make_eval_loop(
+                    self.model,
+                    self.mesh,
+                    self.specs,
+                    mode=mode,
+                    batch_size=batch_size,
+                    unroll=self.unrolled(mode),
+                    input_specs=self.input_specs(),
+                    compute_dtype=self.config.tpu_config.compute_dtype,
+                ),
+                steps_of=lambda args: args[5].shape[0],  # the mask's steps
             ),
         )
+
+    def compile_eval_ahead(self, state: Any, chunk: Any, layout: Any, *, steps: int | None) -> bool:
+        """Starts compiling the first program of an evaluation of ``steps`` steps (None: its
+        whole input) on a thread, while training runs (``train_and_evaluate``). Its input is
+        taken to be shaped like the training ``chunk``'s per example, at the eval
+        ``layout``'s rows; ``state`` is the ``TrainState`` whose variables evaluation will
+        read. Returns whether it started: not with several processes, parameters split over
+        replicas or an unknown eval batch size (those evaluations compile as before)."""
+        rows = None if layout.broadcast else layout.process_rows
+        variables = {"params": state.params, **state.state}
+        sig = ahead.chunk_signature(chunk)
+        tpu = self.config.tpu_config
+        if (
+            not rows
+            or multihost.is_multiprocess()
+            or (tpu.shard_params and self.mesh.shape[DATA] > 1)
+        ):
+            return False
+        replicas = self.mesh.shape[DATA]
+        row_bytes = sum(
+            int(np.prod(s, dtype=np.int64)) * d.itemsize for s, d in zip(sig.shapes, sig.dtypes)
+        )
+        steps = ahead.first_eval_call(
+            rows=rows,
+            row_bytes=row_bytes,
+            local_replicas=replicas,
+            budget=plan.input_budget(
+                tpu.max_staged_input_bytes,
+                platform=self.mesh.devices.flat[0].platform,
+                local_devices=len(self.mesh.local_devices),
+            ),
+            iterations_per_loop=tpu.iterations_per_loop,
+            steps=steps,
+            merge_loops=not self.unrolled(ModeKeys.EVAL),
+        )
+        if steps <= 0:
+            return False
+        batch = rows // replicas
+        specs = ahead.eval_call_specs(
+            self.mesh,
+            variables,
+            sig,
+            rows=rows,
+            steps=steps,
+            rng=seed_key_data(self.config.tf_random_seed),
+        )
+        done = self.costs(ModeKeys.EVAL, batch).ahead(steps)
+        self.infer(ModeKeys.EVAL, batch).compile_ahead(steps, specs, on_done=done)
+        log.debug("Compiling the evaluation program (%d steps) while training runs", steps)
+        return True
+
+    def costs(self, mode: str, batch_size: int) -> CallCosts:
+        """What the EVAL or PREDICT calls at ``batch_size`` cost so far (``engine/tails.py``):
+        how a tail the input cuts short runs is chosen from it."""
+        return self._costs.setdefault((mode, batch_size), CallCosts())
 
     def input_specs(self) -> tuple:
         """(features, labels) PartitionSpecs from ``TPUConfig.input_partition_dims``."""

@@ -169,6 +169,8 @@ def fresh_train_state(
             loss_scale=_uses_loss_scale(programs),
         )
 
+    if init_fn is None:  # the train loop compiles on a thread while init's program does
+        programs.compile_train_ahead(shapes, shardings, example)
     rng, _, features, labels = args
     program = program_of(init)
     if over is not None:  # split state: each device initialises only its slices

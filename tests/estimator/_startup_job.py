@@ -1,12 +1,14 @@
 """A fresh process that trains and evaluates a small MLP once, counting XLA compilations.
 
-Run by compilation_test.py: ``python -m tests.estimator._startup_job MODEL_DIR``. It uses the
-default ``RunConfig`` compilation cache (so the environment decides where it is) and prints
-one JSON line: ``{"compiled", "events", "cache_hits", "names", "results"}``.
+Run by compilation_test.py: ``python -m tests.estimator._startup_job MODEL_DIR [tae]``
+(``tae``: through ``train_and_evaluate``, whose eval program compiles while training runs). It
+uses the default ``RunConfig`` compilation cache (so the environment decides where it is) and
+prints one JSON line: ``{"compiled", "events", "cache_hits", "names", "results"}``.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import sys
 
@@ -35,7 +37,7 @@ def model_fn(features, labels, mode, params):
     )
 
 
-def main(model_dir: str) -> None:
+def main(model_dir: str, how: str = "") -> None:
     x, y = h.make_data(n=64)
     with CompileCounter() as counter:
         est = estimator.TPUEstimator(
@@ -49,8 +51,15 @@ def main(model_dir: str) -> None:
             train_batch_size=16,
             eval_batch_size=16,
         )
-        est.train(h.train_input_fn(x, y), max_steps=12)
-        results = est.evaluate(h.eval_input_fn(x, y))
+        if how == "tae":
+            results, _ = estimator.train_and_evaluate(
+                est,
+                estimator.TrainSpec(h.train_input_fn(x, y), max_steps=12),
+                estimator.EvalSpec(h.eval_input_fn(x, y), throttle_secs=10**6),
+            )
+        else:
+            est.train(h.train_input_fn(x, y), max_steps=12)
+            results = est.evaluate(h.eval_input_fn(x, y))
     out = {
         "compiled": counter.compiled,
         "events": counter.events,
@@ -62,4 +71,5 @@ def main(model_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    faulthandler.dump_traceback_later(240, exit=True)  # a hang shows its threads' stacks
+    main(*sys.argv[1:])
