@@ -115,10 +115,27 @@ def decode_state(state: Any) -> Any:
 
 
 def split_element(element: Any) -> tuple[Any, Any]:
-    """``(features, labels)`` from a batch: a 2-tuple is (features, labels), else features."""
-    if isinstance(element, tuple) and len(element) == 2:
-        return element
+    """``(features, labels)`` from a batch, by TF's rule: a 2-sequence (tuple or list, as a
+    PyTorch DataLoader yields) is (features, labels), anything else is features.
+
+    Raises:
+      ValueError: a tuple or list of another length (TF: "input_fn should return
+        (features, labels) as a len 2 tuple").
+    """
+    if isinstance(element, (tuple, list)) and not _is_namedtuple(element):
+        if len(element) == 2:
+            return element[0], element[1]
+        raise EstimatorValueError(
+            f"input_fn should return (features, labels) as a 2-element tuple or list, got a "
+            f"{type(element).__name__} of {len(element)} elements; put several features in "
+            "a dict"
+        )
     return element, None
+
+
+def _is_namedtuple(x: Any) -> bool:
+    """A namedtuple is one structured feature, not a (features, labels) sequence."""
+    return isinstance(x, tuple) and hasattr(x, "_fields")
 
 
 _CANONICAL = {
