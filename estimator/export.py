@@ -4,7 +4,7 @@ A ported ``serving_input_receiver_fn`` returns ``export.ServingInputReceiver(fea
 receiver_tensors)`` and model_fn's ``export_outputs`` hold ``export.PredictOutput(...)``;
 both work as TF writes them, with the namespace changed. The estimator's method stays
 ``est.export_saved_model`` (this module is only the namespace; the export itself is
-``estimator/io/export.py``).
+``estimator/driver/export.py``, its format ``estimator/io/export.py``).
 
 Example:
   >>> def serving_input_receiver_fn():

@@ -171,9 +171,11 @@ def test_export_namespace_is_tfs():
     fn = export.build_raw_serving_input_receiver_fn({"x": np.zeros((1, 6), np.float32)})
     assert fn()["x"].shape == (1, 6)
     assert callable(estimator.TPUEstimator.export_saved_model)
+    import estimator.driver.export as driver_export
     import estimator.io.export as io_export
 
-    assert callable(io_export.export_saved_model) and estimator.export is not io_export
+    assert callable(driver_export.export_saved_model) and callable(io_export.load_saved_model)
+    assert estimator.export is not io_export
 
 
 def test_serving_receiver_tensors_other_than_the_features_are_named(caplog):
