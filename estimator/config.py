@@ -131,6 +131,8 @@ class TPUConfig:
                 )
             _positive_int("experimental_host_call_every_n_steps", every, allow_none=False)
             object.__setattr__(self, "host_call_every_n_steps", every)
+            # Mapped once: a later replace(host_call_every_n_steps=...) must not disagree.
+            object.__setattr__(self, "experimental_host_call_every_n_steps", None)
         if self.compute_dtype not in (None, "bfloat16", "float16"):
             raise EstimatorValueError(
                 f"compute_dtype must be None, 'bfloat16' or 'float16', got {self.compute_dtype!r}"

@@ -40,7 +40,7 @@ def _exported_step(path: str) -> int:
         return json.load(f)["global_step"]
 
 
-def test_efficientnet_port_trains_evaluates_keeps_the_best_and_exports(tmp_path, caplog, optimized):
+def test_efficientnet_port_trains_evaluates_keeps_the_best_and_exports(tmp_path, caplog):
     model_dir = str(tmp_path / "run")
     with caplog.at_level(logging.INFO):
         est, results, _ = _run(
