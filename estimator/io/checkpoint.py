@@ -522,9 +522,14 @@ class Checkpoints:
             else:
                 values[name] = _placed(np.asarray(saved[src]), spec)
         if problems:
+            more = len(problems) - _MAX_LISTED
             raise CheckpointMismatchError(
-                f"checkpoint {self.path(step)} does not have the model's variables "
-                f"({len(problems)} difference(s)): {'; '.join(problems[:_MAX_LISTED])}"
+                f"checkpoint {self.path(step)} does not match the model ({len(problems)} "
+                f"difference(s)): {'; '.join(problems[:_MAX_LISTED])}"
+                f"{f'; and {more} more' if more > 0 else ''}. It was written by a different "
+                "model_fn or params (checkpoint variables the model lacks are left out; each "
+                "model variable must be there, or be mapped by a Saver's var_list); use a new "
+                "model_dir, or warm_start_from to load matching variables."
             )
         _log_unread(self.path(step), sorted(set(saved) - set(sources.get(n, n) for n in wanted)))
         return variables_lib.unflatten_into(template, values)
