@@ -4,7 +4,7 @@ written as the TF program writes it (namespace changed only).
 Items tested elsewhere: trainable_variables and get_or_create_global_step
 (``trainable_test.py``), Saver / Scaffold(saver=) and checkpoints with extra variables
 (``saver_test.py``), exporters (``exporters_test.py``), the ported EfficientNet main
-(``tests/examples/efficientnet_test.py``).
+(``tests/examples/efficientnet_tpu_test.py``).
 """
 
 from __future__ import annotations
