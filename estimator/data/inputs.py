@@ -115,21 +115,11 @@ def decode_state(state: Any) -> Any:
 
 
 def split_element(element: Any) -> tuple[Any, Any]:
-    """``(features, labels)`` from a batch, by TF's rule: a 2-sequence (tuple or list, as a
-    PyTorch DataLoader yields) is (features, labels), anything else is features.
-
-    Raises:
-      ValueError: a tuple or list of another length (TF: "input_fn should return
-        (features, labels) as a len 2 tuple").
-    """
-    if isinstance(element, (tuple, list)) and not _is_namedtuple(element):
-        if len(element) == 2:
-            return element[0], element[1]
-        raise EstimatorValueError(
-            f"input_fn should return (features, labels) as a 2-element tuple or list, got a "
-            f"{type(element).__name__} of {len(element)} elements; put several features in "
-            "a dict"
-        )
+    """``(features, labels)`` from a batch, by TF's rule: a 2-element tuple or list (a
+    PyTorch DataLoader yields lists) is (features, labels); anything else is features (a
+    tuple of another length gets a hint if model_fn then fails without labels)."""
+    if isinstance(element, (tuple, list)) and len(element) == 2 and not _is_namedtuple(element):
+        return element[0], element[1]
     return element, None
 
 

@@ -304,5 +304,5 @@ def test_other_sequence_lengths_are_a_clear_error(tmp_path):
     def three(params):
         yield X[:16], Y[:16], Y[:16]
 
-    with pytest.raises(ValueError, match="2-element tuple or list, got a tuple of 3"):
+    with pytest.raises(ValueError, match="only a 2-tuple is read as"):
         h.make_estimator(tmp_path).train(three, max_steps=1)
