@@ -22,7 +22,7 @@ from ._compat import root_logging_untouched
 _EXPORTS = {
     ".cluster.cluster": ("TPUClusterResolver",),
     ".config": ("InputPipelineConfig", "RunConfig", "TPUConfig"),
-    ".context": ("get_global_step", "padding_mask"),
+    ".context": ("get_global_step", "get_or_create_global_step", "padding_mask"),
     ".cross_shard_optimizer": ("CrossShardOptimizer",),
     ".engine.traced": ("TracedValueError",),
     ".driver.preemption": ("Preempted",),
@@ -34,6 +34,7 @@ _EXPORTS = {
         "NoCheckpointError",
     ),
     ".export_output": ("ClassificationOutput", "PredictOutput", "RegressionOutput"),
+    ".exporters": ("BestExporter", "Exporter", "FinalExporter", "LatestExporter"),
     ".input_context": ("InputContext",),
     ".io.export": ("build_raw_serving_input_receiver_fn", "load_saved_model"),
     ".io.checkpoint_utils": (
@@ -47,16 +48,18 @@ _EXPORTS = {
     ".io.variables": ("name_mask", "named_variables"),
     ".parallel.outside_compilation": ("outside_compilation",),
     ".parallel.replica_context": ("ReduceOp", "get_replica_context"),
+    ".saver": ("Saver",),
     ".scaffold": ("Scaffold", "WarmStartSettings", "init_from_checkpoint"),
     ".spec": ("EstimatorSpec", "ModeKeys", "TPUEstimatorSpec"),
     ".strategy.device_assignment": ("DeviceAssignment",),
     ".strategy.strategy": ("PerReplica", "TPUStrategy", "get_strategy"),
     ".tpu_estimator": ("TPUEstimator",),
+    ".trainable": ("trainable_variables",),
     ".train_and_evaluate": ("EvalSpec", "TrainSpec", "train_and_evaluate"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 # Submodules that are public names themselves (``estimator.summary.scalar``).
-_SUBMODULES = ("summary",)
+_SUBMODULES = ("export", "summary")
 # Derived from the table: one list of public names (the TYPE_CHECKING block at the end must
 # import the same names from the same modules; tests/estimator/architecture_test.py checks it).
 __all__ = sorted([*_MODULE_OF, *_SUBMODULES])
@@ -101,12 +104,14 @@ sys.modules[__name__].__class__ = _Package
 
 
 if TYPE_CHECKING:  # _EXPORTS spelled out for type checkers (``X as X``: re-exported)
+    from . import export as export
     from . import summary as summary
     from .cluster.cluster import TPUClusterResolver as TPUClusterResolver
     from .config import InputPipelineConfig as InputPipelineConfig
     from .config import RunConfig as RunConfig
     from .config import TPUConfig as TPUConfig
     from .context import get_global_step as get_global_step
+    from .context import get_or_create_global_step as get_or_create_global_step
     from .context import padding_mask as padding_mask
     from .cross_shard_optimizer import CrossShardOptimizer as CrossShardOptimizer
     from .driver.preemption import Preempted as Preempted
@@ -119,6 +124,10 @@ if TYPE_CHECKING:  # _EXPORTS spelled out for type checkers (``X as X``: re-expo
     from .export_output import ClassificationOutput as ClassificationOutput
     from .export_output import PredictOutput as PredictOutput
     from .export_output import RegressionOutput as RegressionOutput
+    from .exporters import BestExporter as BestExporter
+    from .exporters import Exporter as Exporter
+    from .exporters import FinalExporter as FinalExporter
+    from .exporters import LatestExporter as LatestExporter
     from .input_context import InputContext as InputContext
     from .io.checkpoint_utils import checkpoints_iterator as checkpoints_iterator
     from .io.checkpoint_utils import latest_checkpoint as latest_checkpoint
@@ -138,6 +147,7 @@ if TYPE_CHECKING:  # _EXPORTS spelled out for type checkers (``X as X``: re-expo
     from .parallel.outside_compilation import outside_compilation as outside_compilation
     from .parallel.replica_context import ReduceOp as ReduceOp
     from .parallel.replica_context import get_replica_context as get_replica_context
+    from .saver import Saver as Saver
     from .scaffold import Scaffold as Scaffold
     from .scaffold import WarmStartSettings as WarmStartSettings
     from .scaffold import init_from_checkpoint as init_from_checkpoint
@@ -152,3 +162,4 @@ if TYPE_CHECKING:  # _EXPORTS spelled out for type checkers (``X as X``: re-expo
     from .train_and_evaluate import EvalSpec as EvalSpec
     from .train_and_evaluate import TrainSpec as TrainSpec
     from .train_and_evaluate import train_and_evaluate as train_and_evaluate
+    from .trainable import trainable_variables as trainable_variables

@@ -20,7 +20,21 @@ from .errors import EstimatorTypeError, EstimatorValueError
 
 log = logging.getLogger("estimator")
 _TF_ONLY = ("master", "evaluation_master", "session_config")
+_TPU_TF_ONLY = (
+    "tpu_job_name",
+    "initial_infeed_sleep_secs",
+    "eval_training_input_configuration",
+    "experimental_allow_per_host_v2_parallel_get_next",
+    "experimental_feed_hook",
+)
 _QUIET = threading.local()
+
+
+def _warn_tf_only(owner: str, config: Any, names: tuple, what: str) -> None:
+    """One warning naming the TF-only arguments given (not for copies made by replace)."""
+    ignored = [n for n in names if getattr(config, n) is not None]
+    if ignored and not getattr(_QUIET, "on", False):
+        log.warning("%s: %s ignored (%s have no meaning here)", owner, ", ".join(ignored), what)
 
 
 class InputPipelineConfig(enum.IntEnum):
@@ -78,6 +92,12 @@ class TPUConfig:
       num_microbatches: split each replica's batch of every training step into this many
         micro-batches run one after another, gradients averaged, one update per step
         (``global_step`` counts updates; docs/mixed-precision.md).
+
+    TF's other arguments are accepted (keyword-only) so ported programs run unchanged:
+    ``experimental_host_call_every_n_steps`` is ``host_call_every_n_steps``;
+    ``tpu_job_name``, ``initial_infeed_sleep_secs``, ``eval_training_input_configuration``,
+    ``experimental_allow_per_host_v2_parallel_get_next`` and ``experimental_feed_hook`` mean
+    nothing here and are ignored with one warning naming them.
     """
 
     iterations_per_loop: int = 2
@@ -92,8 +112,27 @@ class TPUConfig:
     max_staged_input_bytes: int | None = None
     compute_dtype: str | None = None
     num_microbatches: int = 1
+    _: dataclasses.KW_ONLY
+    tpu_job_name: Any = None
+    initial_infeed_sleep_secs: Any = None
+    eval_training_input_configuration: Any = None
+    experimental_host_call_every_n_steps: int | None = None
+    experimental_allow_per_host_v2_parallel_get_next: Any = None
+    experimental_feed_hook: Any = None
 
     def __post_init__(self):
+        _warn_tf_only("TPUConfig", self, _TPU_TF_ONLY, "TPU runtime settings")
+        every = self.experimental_host_call_every_n_steps
+        if every is not None:  # TF's name of host_call_every_n_steps
+            if self.host_call_every_n_steps not in (1, every):
+                raise EstimatorValueError(
+                    f"host_call_every_n_steps={self.host_call_every_n_steps} and "
+                    f"experimental_host_call_every_n_steps={every} disagree; give one"
+                )
+            _positive_int("experimental_host_call_every_n_steps", every, allow_none=False)
+            object.__setattr__(self, "host_call_every_n_steps", every)
+            # Mapped once: a later replace(host_call_every_n_steps=...) must not disagree.
+            object.__setattr__(self, "experimental_host_call_every_n_steps", None)
         if self.compute_dtype not in (None, "bfloat16", "float16"):
             raise EstimatorValueError(
                 f"compute_dtype must be None, 'bfloat16' or 'float16', got {self.compute_dtype!r}"
@@ -130,7 +169,11 @@ class TPUConfig:
                 raise EstimatorValueError("input_partition_dims requires num_cores_per_replica")
 
     def replace(self, **kwargs) -> TPUConfig:
-        return dataclasses.replace(self, **kwargs)
+        _QUIET.on = True  # a copy: the ignored TF arguments were already warned about
+        try:
+            return dataclasses.replace(self, **kwargs)
+        finally:
+            _QUIET.on = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,12 +216,7 @@ class RunConfig:
     session_config: Any = None
 
     def __post_init__(self):
-        ignored = [n for n in _TF_ONLY if getattr(self, n) is not None]
-        if ignored and not getattr(_QUIET, "on", False):
-            log.warning(
-                "RunConfig: %s ignored (TensorFlow session settings have no meaning here)",
-                ", ".join(ignored),
-            )
+        _warn_tf_only("RunConfig", self, _TF_ONLY, "TensorFlow session settings")
         if self.tpu_config is None:
             object.__setattr__(self, "tpu_config", TPUConfig())
         if not isinstance(self.tpu_config, TPUConfig):

@@ -50,6 +50,24 @@ def current() -> CallContext | None:
     return stack[-1] if stack else None
 
 
+@contextlib.contextmanager
+def root_module(module: Any):
+    """Makes the bound Flax module model_fn builds under current while model_fn runs (its
+    variables are what ``estimator.trainable_variables()`` returns)."""
+    stack = _LOCAL.__dict__.setdefault("modules", [])
+    stack.append(module)
+    try:
+        yield module
+    finally:
+        stack.pop()
+
+
+def current_root_module() -> Any:
+    """The bound root module of the model_fn running now, or None."""
+    stack = getattr(_LOCAL, "modules", None)
+    return stack[-1] if stack else None
+
+
 def padding_mask() -> jnp.ndarray:
     """The per-row mask of this replica's batch: 1.0 for real examples, 0.0 for padding.
 
@@ -78,3 +96,21 @@ def get_global_step() -> jnp.ndarray:
             "estimator.get_global_step() can only be called inside model_fn"
         )
     return ctx.global_step
+
+
+def get_or_create_global_step() -> jnp.ndarray:
+    """TF's ``tf.train.get_or_create_global_step()``: the global step inside model_fn (the
+    estimator owns the step, so there is nothing to create). The same as
+    ``get_global_step()``; host_call summaries take it as TF programs do
+    (``gs = get_or_create_global_step(); host_call = (fn, [gs.reshape([1]), ...])``).
+
+    Raises:
+      RuntimeError: outside a model_fn called by the estimator.
+    """
+    if current() is None:
+        raise EstimatorRuntimeError(
+            "estimator.get_or_create_global_step() can only be called inside model_fn: the "
+            "estimator owns the step (read it afterwards with est.latest_checkpoint() or "
+            "the global_step in evaluate's results)"
+        )
+    return get_global_step()

@@ -52,5 +52,10 @@ class CheckpointMismatchError(CheckpointError, ValueError):
     """A readable checkpoint whose variables do not match the model (another model's)."""
 
 
-class NoCheckpointError(CheckpointError, ValueError):
-    """There is no checkpoint at all where one is needed (TF: "Could not find trained model")."""
+class NoCheckpointError(CheckpointError, EstimatorValueError):
+    """There is no checkpoint at all where one is needed (TF: "Could not find trained model"),
+    or a ``checkpoint_path`` names none (TF's ``tf.errors.NotFoundError``).
+
+    Also an ``EstimatorValueError`` (what a missing ``checkpoint_path`` raised before), so
+    existing ``except`` clauses still catch it.
+    """

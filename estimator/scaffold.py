@@ -5,7 +5,10 @@ run never re-initialises. They see and return every collection (``params`` and e
 ``batch_stats``) as numpy, named ``module/.../leaf`` for params and
 ``collection/module/.../leaf`` for other collections. ``warm_start_from`` is applied first,
 then every ``init_from_checkpoint`` called directly inside model_fn (TF's non-TPU idiom, as
-BERT writes it), then the spec's ``Scaffold.init_fn``. Restores log (INFO, logger
+BERT writes it), then every one called inside ``scaffold_fn`` (BERT's TPU idiom:
+``def tpu_scaffold(): init_from_checkpoint(ckpt, amap); return Scaffold()``), then the
+spec's ``Scaffold.init_fn``. ``Scaffold(saver=Saver(var_list))`` says instead what
+evaluate, predict and export read (``estimator/saver.py``). Restores log (INFO, logger
 ``estimator``) which variables matched and which kept their initial values.
 
 Example:
@@ -16,9 +19,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import re
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,16 +34,33 @@ from .engine.traced import check_no_traced_values, traced_value_guard
 from .errors import EstimatorTypeError, EstimatorValueError
 from .io.checkpoint import read_variables
 from .io.variables import flatten, unflatten_into
+from .saver import Saver
 from .spec import ModeKeys
 
 log = logging.getLogger("estimator")
+_LOCAL = threading.local()  # the init_from_checkpoint calls of the scaffold_fn running now
 
 
 @dataclasses.dataclass
 class Scaffold:
-    """TF's Scaffold, reduced to what JAX needs: ``init_fn(variables) -> variables``."""
+    """TF's Scaffold, reduced to what JAX needs.
+
+    Args:
+      init_fn: ``init_fn(variables) -> variables``, run on a fresh training start.
+      saver: an ``estimator.Saver`` whose ``var_list`` says which checkpoint values
+        evaluate, predict and export read (TF's EMA evaluation); training ignores it.
+    """
 
     init_fn: Callable[[dict], dict] | None = None
+    saver: Saver | None = None
+
+    def __post_init__(self):
+        if self.init_fn is not None and not callable(self.init_fn):
+            raise EstimatorTypeError(f"Scaffold init_fn must be callable, got {self.init_fn!r}")
+        if self.saver is not None and not isinstance(self.saver, Saver):
+            raise EstimatorTypeError(
+                f"Scaffold saver must be an estimator.Saver, got {type(self.saver).__name__}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +144,11 @@ def init_from_checkpoint(path: str, assignment_map: dict[str, str]) -> Callable[
             variables, read_variables(path), mapping, f"init_from_checkpoint({path})"
         )
 
+    collected = getattr(_LOCAL, "calls", None)
     ctx = context.current()
-    if ctx is not None and ctx.mode == ModeKeys.TRAIN:  # called inside model_fn
+    if collected is not None:  # called inside scaffold_fn (BERT's TPU form)
+        collected.append(init_fn)
+    elif ctx is not None and ctx.mode == ModeKeys.TRAIN:  # called inside model_fn
         ctx.notes.setdefault(IN_MODEL_FN, []).append(init_fn)
     return init_fn
 
@@ -166,30 +191,60 @@ def _warm_start_fn(setting: Any) -> Callable[[dict], dict]:
     return init_fn
 
 
-def _call_scaffold_fn(scaffold_fn: Callable) -> Scaffold:
+@contextlib.contextmanager
+def _collecting(calls: list):
+    """Collects the ``init_from_checkpoint`` calls made while scaffold_fn runs."""
+    before = getattr(_LOCAL, "calls", None)
+    _LOCAL.calls = calls
+    try:
+        yield
+    finally:
+        _LOCAL.calls = before
+
+
+def _call_scaffold_fn(scaffold_fn: Callable) -> tuple[Scaffold, list[Callable]]:
+    """The Scaffold scaffold_fn returns, and the ``init_from_checkpoint`` functions it made
+    (TF's TPU idiom calls ``init_from_checkpoint`` there and returns ``Scaffold()``)."""
     check_no_traced_values(scaffold_fn, "scaffold_fn")
-    with traced_value_guard("scaffold_fn"):
+    calls: list[Callable] = []
+    with traced_value_guard("scaffold_fn"), _collecting(calls):
         scaffold = scaffold_fn()
     if not isinstance(scaffold, Scaffold):
         raise EstimatorValueError(
             f"scaffold_fn must return an estimator.Scaffold, got {scaffold!r}"
         )
-    return scaffold
+    return scaffold, calls
+
+
+def saver_sources(scaffold_fn: Callable | None) -> dict[str, str] | None:
+    """``{model variable: checkpoint name}`` of the ``Scaffold.saver`` an EVAL/PREDICT
+    spec's ``scaffold_fn`` returns; None when there is no saver or it maps every variable to
+    its own name. The ``init_from_checkpoint`` calls of that scaffold_fn do nothing there
+    (the variables come from the estimator's checkpoint, as in TF)."""
+    if scaffold_fn is None:
+        return None
+    scaffold, _ = _call_scaffold_fn(scaffold_fn)
+    if scaffold.saver is None or scaffold.saver.sources is None:
+        return None
+    sources = scaffold.saver.sources
+    return None if all(k == v for k, v in sources.items()) else dict(sources)
 
 
 def fresh_init_fn(
     spec: Any, warm_start_from: Any = None, *, in_model_fn: Sequence[Callable] = ()
 ) -> Callable[[dict], dict] | None:
     """Warm start, then the ``init_from_checkpoint`` calls made inside model_fn
-    (``in_model_fn``), then the TRAIN spec's scaffold ``init_fn``, composed; None when none is
-    set. ``warm_start_from`` is the estimator's argument (a path or ``WarmStartSettings``)."""
+    (``in_model_fn``), then those made inside the TRAIN spec's scaffold_fn, then its
+    scaffold's ``init_fn``, composed; None when none is set. ``warm_start_from`` is the
+    estimator's argument (a path or ``WarmStartSettings``)."""
     fns = []
     if warm_start_from is not None:
         fns.append(_warm_start_fn(warm_start_from))
     fns.extend(in_model_fn)
     scaffold_fn = spec.scaffold_fn
     if scaffold_fn is not None:
-        scaffold = _call_scaffold_fn(scaffold_fn)
+        scaffold, calls = _call_scaffold_fn(scaffold_fn)
+        fns.extend(calls)
         if scaffold.init_fn is not None:
             check_no_traced_values(scaffold.init_fn, "Scaffold.init_fn")
             fns.append(scaffold.init_fn)

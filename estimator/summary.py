@@ -341,8 +341,48 @@ def _should_record(step: int | None) -> bool:
     return True if condition is None else bool(condition(step))
 
 
+def record_if(condition: Any):
+    """TF2's ``tf.summary.record_if``: a context in which summaries are written only while
+    ``condition`` holds.
+
+    Args:
+      condition: a bool, a one-element array, or a zero-argument callable returning one
+        (called at each summary, as TF does).
+
+    Example:
+      >>> with summary.create_file_writer(model_dir).as_default():
+      ...     with summary.record_if(True):
+      ...         summary.scalar("loss", loss[0], step=gs[0])
+    """
+    if callable(condition):
+        return _recording(lambda step: _truth(condition()))
+    value = _truth(condition)
+    return _recording(lambda step: value)
+
+
+def _truth(value: Any) -> bool:
+    try:
+        arr = np.asarray(value)
+        ok = arr.dtype.kind in "biuf"
+        truth = bool(arr.reshape(())) if ok else False
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise EstimatorValueError(
+            f"record_if needs a bool, a one-element array or a callable returning one, got "
+            f"{value!r}"
+        )
+    return truth
+
+
 def all_summary_ops() -> list:
     """TF's list of summary ops to run; summaries here are written as they are called: []."""
+    return []
+
+
+def all_v2_summary_ops() -> list:
+    """TF2's ``tf.compat.v1.summary.all_v2_summary_ops``, returned from host_call as TF
+    programs do; summaries here are written as they are called: []."""
     return []
 
 

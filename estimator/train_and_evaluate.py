@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 import hooks as hooks_lib
 
+from . import exporters as exporters_lib
 from .errors import EstimatorTypeError, EstimatorValueError
 from .parallel import multihost
 
@@ -52,7 +53,8 @@ class EvalSpec:
       steps: batches per evaluation; None evaluates the whole input.
       name: evaluations are written under ``model_dir/eval_<name>``.
       hooks: hooks for every evaluation.
-      exporters: accepted for compatibility; unused.
+      exporters: an ``Exporter`` or a list of them (``BestExporter``, ``LatestExporter``,
+        ``FinalExporter``), run after each evaluation (``estimator/exporters.py``).
       start_delay_secs: accepted for compatibility; unused, as in TF's local (one-process)
         ``train_and_evaluate``, which evaluates the first checkpoint whenever it comes.
       throttle_secs: at least this many seconds between evaluations triggered by
@@ -74,6 +76,7 @@ class EvalSpec:
             raise EstimatorValueError(f"EvalSpec.steps must be positive or None, got {self.steps}")
         if self.throttle_secs < 0 or self.start_delay_secs < 0:
             raise EstimatorValueError("EvalSpec.throttle_secs and start_delay_secs must be >= 0")
+        object.__setattr__(self, "exporters", exporters_lib.as_exporters(self.exporters))
 
 
 def _now() -> float:
@@ -85,8 +88,10 @@ class _EvalOnCheckpoint(hooks_lib.CheckpointSaverListener):
     """Evaluates after a checkpoint save when the throttle allows (TF's
     ``_NewCheckpointListenerForEvaluate``)."""
 
-    def __init__(self, est, eval_spec: EvalSpec):
-        self.est, self.spec = est, eval_spec
+    def __init__(self, est, eval_spec: EvalSpec, max_steps: int | None = None):
+        self.est, self.spec, self.max_steps = est, eval_spec, max_steps
+        self.export_results: list = []
+        self.final_exported = False
         self.timer = hooks_lib.SecondOrStepTimer(
             every_secs=eval_spec.throttle_secs, clock=lambda: _now()
         )
@@ -103,12 +108,23 @@ class _EvalOnCheckpoint(hooks_lib.CheckpointSaverListener):
                 self.spec.throttle_secs,
             )
 
-    def evaluate(self, step: int) -> None:
+    def evaluate(self, step: int, *, final: bool = False) -> None:
         spec = self.spec
+        checkpoint_path = self.est.latest_checkpoint()  # the one evaluated next
         self.result = self.est.evaluate(
             spec.input_fn, steps=spec.steps, hooks=spec.hooks, name=spec.name
         )
         self.timer.update_last_triggered_step(step)
+        # TF's rule: the export is final once training reached max_steps.
+        final = final or (self.max_steps is not None and step >= self.max_steps)
+        self.export_results = exporters_lib.run_exporters(
+            self.est,
+            spec.exporters,
+            self.result,
+            is_the_final_export=final,
+            checkpoint_path=checkpoint_path,
+        )
+        self.final_exported = self.final_exported or final
 
     @property
     def evaluation_steps(self) -> int | None:
@@ -126,13 +142,14 @@ def train_and_evaluate(est, train_spec: TrainSpec, eval_spec: EvalSpec) -> tuple
     ``eval_spec.throttle_secs`` allows and the final one at the end.
 
     Returns:
-      ``(last eval results, [])`` (the empty list stands for TF's export results).
+      ``(last eval results, export results)``: the last evaluation's metrics and what each
+      of ``eval_spec.exporters`` returned after it (an export directory, or None).
     """
     if not isinstance(train_spec, TrainSpec):
         raise EstimatorTypeError(f"train_spec must be a TrainSpec, got {type(train_spec).__name__}")
     if not isinstance(eval_spec, EvalSpec):
         raise EstimatorTypeError(f"eval_spec must be an EvalSpec, got {type(eval_spec).__name__}")
-    listener = _EvalOnCheckpoint(est, eval_spec)
+    listener = _EvalOnCheckpoint(est, eval_spec, train_spec.max_steps)
     est.train(
         train_spec.input_fn,
         hooks=train_spec.hooks,
@@ -141,8 +158,17 @@ def train_and_evaluate(est, train_spec: TrainSpec, eval_spec: EvalSpec) -> tuple
     )
     step = _global_step(est)
     if listener.last_step != step:
-        listener.evaluate(step)
-    return listener.result, []
+        listener.evaluate(step, final=True)
+    elif not listener.final_exported:  # training ended early: the last evaluation is final
+        final = tuple(e for e in eval_spec.exporters if isinstance(e, exporters_lib.FinalExporter))
+        exporters_lib.run_exporters(
+            est,
+            final,
+            listener.result,
+            is_the_final_export=True,
+            checkpoint_path=est.latest_checkpoint(),
+        )
+    return listener.result, listener.export_results
 
 
 def _global_step(est) -> int | None:

@@ -115,10 +115,17 @@ def decode_state(state: Any) -> Any:
 
 
 def split_element(element: Any) -> tuple[Any, Any]:
-    """``(features, labels)`` from a batch: a 2-tuple is (features, labels), else features."""
-    if isinstance(element, tuple) and len(element) == 2:
-        return element
+    """``(features, labels)`` from a batch, by TF's rule: a 2-element tuple or list (a
+    PyTorch DataLoader yields lists) is (features, labels); anything else is features (a
+    tuple of another length gets a hint if model_fn then fails without labels)."""
+    if isinstance(element, (tuple, list)) and len(element) == 2 and not _is_namedtuple(element):
+        return element[0], element[1]
     return element, None
+
+
+def _is_namedtuple(x: Any) -> bool:
+    """A namedtuple is one structured feature, not a (features, labels) sequence."""
+    return isinstance(x, tuple) and hasattr(x, "_fields")
 
 
 _CANONICAL = {

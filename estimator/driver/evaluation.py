@@ -19,6 +19,7 @@ from ..io.eval_events import write_eval_events
 from ..io.restore import restore_variables
 from ..parallel import multihost
 from ..runtime import seed_key_data
+from ..scaffold import saver_sources
 from ..spec import ModeKeys
 from . import dispatch, eval_loss
 from .hook_runner import HookRunner, Session
@@ -80,7 +81,13 @@ def device_loops(
         job.model.check_labels(pipe.has_labels)
         batch = jax.tree.leaves(chunk.features)[0].shape[1] // job.num_replicas
         variables, global_step = restore_variables(
-            job.programs, job.store, mode, (chunk.features, chunk.labels), batch, checkpoint_path
+            job.programs,
+            job.store,
+            mode,
+            (chunk.features, chunk.labels),
+            batch,
+            checkpoint_path,
+            saver_sources=saver_sources,
         )
         variables = one_copy_on_cpu(variables)  # read by every call: one copy on CPU devices
         loop = job.programs.infer(mode, batch)

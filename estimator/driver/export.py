@@ -32,6 +32,7 @@ from ..io.store import StateStore
 from ..parallel.mesh import DATA, single_device_mesh
 from ..parallel.outside_compilation import forbid_host_calls
 from ..runtime import seed_key_data
+from ..scaffold import saver_sources
 from ..spec import ModeKeys
 
 
@@ -43,7 +44,13 @@ def _restore(
     zeros = jax.tree.map(lambda s: np.zeros((1, rows, *s.shape[1:]), s.dtype), specs)
     traced = programs.traced(ModeKeys.PREDICT)
     variables, step = restore_variables(
-        programs, store, ModeKeys.PREDICT, (zeros, None), 1, checkpoint_path
+        programs,
+        store,
+        ModeKeys.PREDICT,
+        (zeros, None),
+        1,
+        checkpoint_path,
+        saver_sources=saver_sources,
     )
     if not traced:  # predict's own trace must record the spec, not this 1-row one
         programs.specs.pop(ModeKeys.PREDICT, None)

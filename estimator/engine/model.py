@@ -98,7 +98,8 @@ class _Root(nn.Module):
             "params": self.params,
             "config": self.config,
         }
-        return self.model_fn(**{n: values[n] for n in self.arg_names})
+        with context.root_module(self):  # estimator.trainable_variables() reads its params
+            return self.model_fn(**{n: values[n] for n in self.arg_names})
 
 
 class ModelFn:
@@ -113,6 +114,9 @@ class ModelFn:
         self.num_cores_per_replica = 1
         self.use_tpu = True  # params["use_tpu"], set by the estimator
         self.notes: dict[str, dict] = {}  # mode -> the notes of model_fn's last trace
+        # mode -> the scaffold_fn of the spec model_fn last returned there (kept here, not
+        # only in Programs.specs: a cached trace does not call model_fn again to record it)
+        self.scaffold_fns: dict[str, Callable | None] = {}
 
     def noted(self, mode: str, key: str, default: Any = None) -> Any:
         """What model_fn's last trace in ``mode`` noted under ``key`` (see CallContext)."""
@@ -152,7 +156,12 @@ class ModelFn:
         root = self._root(mode, batch_size)
         with self._scope(mode, mask, step, initializing=True):
             spec, variables = root.init_with_output(rngs, features, labels)
-        return variables, as_tpu_spec(spec, mode)
+        return variables, self._noted_spec(spec, mode)
+
+    def _noted_spec(self, spec: Any, mode: str) -> TPUEstimatorSpec:
+        spec = as_tpu_spec(spec, mode)
+        self.scaffold_fns[mode] = spec.scaffold_fn
+        return spec
 
     def apply(
         self,
@@ -176,7 +185,7 @@ class ModelFn:
                 )
             else:
                 spec, new_vars = root.apply(variables, features, labels, rngs=rngs), {}
-        return as_tpu_spec(spec, mode), dict(new_vars)
+        return self._noted_spec(spec, mode), dict(new_vars)
 
 
 def step_rngs(base_key: jax.Array, step, replica) -> dict:

@@ -419,17 +419,32 @@ class Checkpoints:
             )
 
     # ----------------------------------------------------------------- restore
-    def restore(self, step: int, *, variables: Any = None, train: Any = None) -> dict:
+    def restore(
+        self,
+        step: int,
+        *,
+        variables: Any = None,
+        train: Any = None,
+        sources: dict[str, str] | None = None,
+        allow_extra: bool = False,
+    ) -> dict:
         """Restores one step into the given templates (arrays or shape/dtype/sharding structs).
 
         With ``variables=None`` the saved arrays are restored as numpy arrays on the host,
         whatever devices or processes wrote them (a pod's checkpoint reads on a laptop).
+        ``sources`` (``{model variable: checkpoint name}``, a Saver's mapping) and
+        ``allow_extra`` (checkpoint variables the model lacks are left out, named once in
+        the log) are for evaluate/predict/export; see ``restore_mapped``.
 
         Raises:
           CheckpointMismatchError: the step holds a different model's variables.
           CheckpointError: the step is unreadable, naming why.
         """
         meta = self.meta(step)
+        if variables is not None and train is None and (sources or allow_extra):
+            saved = self._saved_shapes(step, "variables")
+            if sources or not set(saved) <= set(_shapes(variables, "variables")):
+                return {"variables": self.restore_mapped(step, variables, sources), "meta": meta}
         if variables is not None:
             self.check_matches(step, variables=variables, train=train)
         args = {
@@ -467,6 +482,57 @@ class Checkpoints:
                 "different model_fn, params or train_op (another optimizer?); use a new "
                 "model_dir, or warm_start_from to load matching variables."
             )
+
+    def named_values(self, step: int) -> dict[str, np.ndarray]:
+        """Every saved variable of one step on the host, by its public name (the names
+        ``estimator.list_variables`` shows, ``global_step`` aside)."""
+        out = self.restore(step)
+        return variables_lib.flatten(jax.device_get(dict(out["variables"])))
+
+    def restore_mapped(
+        self, step: int, template: Any, sources: dict[str, str] | None = None
+    ) -> dict:
+        """The model's variables (``template``'s structure, dtypes and shardings) read by
+        name: each from ``sources.get(name, name)``. Checkpoint variables nothing reads are
+        left out and named once in the log (TF's Saver restores what it is asked for).
+
+        Raises:
+          CheckpointMismatchError: a variable's checkpoint name is missing or its shape
+            differs (every difference named).
+        """
+        sources = sources or {}
+        wanted = variables_lib.flatten(template)
+        unknown = sorted(set(sources) - set(wanted))
+        if unknown:
+            raise CheckpointMismatchError(
+                f"Saver var_list names variable(s) the model does not have: {unknown[:_MAX_LISTED]}"
+                f"; the model's are {sorted(wanted)[:_MAX_LISTED]}"
+            )
+        saved = self.named_values(step)
+        values, problems = {}, []
+        for name, spec in wanted.items():
+            src = sources.get(name, name)
+            label = name if src == name else f"{name} (from checkpoint name {src!r})"
+            if src not in saved:
+                problems.append(f"{label}: in the model {tuple(spec.shape)}, not in the checkpoint")
+            elif tuple(np.shape(saved[src])) != tuple(spec.shape):
+                problems.append(
+                    f"{label}: checkpoint shape {np.shape(saved[src])}, model shape {spec.shape}"
+                )
+            else:
+                values[name] = _placed(np.asarray(saved[src]), spec)
+        if problems:
+            more = len(problems) - _MAX_LISTED
+            raise CheckpointMismatchError(
+                f"checkpoint {self.path(step)} does not match the model ({len(problems)} "
+                f"difference(s)): {'; '.join(problems[:_MAX_LISTED])}"
+                f"{f'; and {more} more' if more > 0 else ''}. It was written by a different "
+                "model_fn or params (checkpoint variables the model lacks are left out; each "
+                "model variable must be there, or be mapped by a Saver's var_list); use a new "
+                "model_dir, or warm_start_from to load matching variables."
+            )
+        _log_unread(self.path(step), sorted(set(saved) - set(sources.get(n, n) for n in wanted)))
+        return variables_lib.unflatten_into(template, values)
 
     def verify(self, step: int) -> dict:
         """Reads every array of one step onto the host (the whole checkpoint, once) and
@@ -577,11 +643,13 @@ class Checkpoints:
         train: Any = None,
         step: int | None = None,
         quarantine: bool = False,
+        sources: dict[str, str] | None = None,
+        allow_extra: bool = False,
     ) -> tuple[int, dict] | None:
         """The newest readable checkpoint (or ``step``), skipping broken ones with a warning.
 
         Args:
-          variables, train: templates (see ``restore``).
+          variables, train, sources, allow_extra: see ``restore``.
           step: restore exactly this step (no fallback).
           quarantine: move damaged steps aside (trainers only; readers never touch files).
 
@@ -591,12 +659,13 @@ class Checkpoints:
           CheckpointMismatchError: the newest readable step is another model's.
           CheckpointError: checkpoints exist but none can be read (never a silent fresh start).
         """
+        kwargs = {"sources": sources, "allow_extra": allow_extra}
         if step is not None:
-            return step, self.restore(step, variables=variables, train=train)
+            return step, self.restore(step, variables=variables, train=train, **kwargs)
         errors, skipped = [], []
         for s in self._newest_first():
             try:
-                out = self.restore(s, variables=variables, train=train)
+                out = self.restore(s, variables=variables, train=train, **kwargs)
             except CheckpointMismatchError:
                 raise
             except CheckpointError as e:
@@ -627,13 +696,13 @@ def resolve_path(checkpoint_path: str | None, model_dir: str) -> tuple[str, int 
     parsed = step_names.parse_step_path(path)
     if parsed is not None:
         if not os.path.isdir(path):
-            raise EstimatorValueError(f"checkpoint_path {checkpoint_path!r} does not exist")
+            raise NoCheckpointError(f"checkpoint_path {checkpoint_path!r} does not exist")
         return parsed
     if os.path.basename(path) == step_names.LEGACY_DIR:
         return os.path.dirname(path), None
     if step_names.has_checkpoints(path) or os.path.isdir(os.path.join(path, step_names.LEGACY_DIR)):
         return path, None
-    raise EstimatorValueError(
+    raise NoCheckpointError(
         f"checkpoint_path {checkpoint_path!r} is not a checkpoint: expected "
         "<model_dir>/model.ckpt-<step> or a model_dir"
     )
@@ -651,10 +720,38 @@ def read_variables(path: str) -> dict[str, Any]:
       CheckpointError: none is readable.
     """
     model_dir, step = resolve_path(path, os.path.dirname(os.path.dirname(path)))
-    got = Checkpoints(model_dir, read_only=True).restore_latest(step=step)
+    ckpts = Checkpoints(model_dir, read_only=True)
+    got = ckpts.restore_latest(step=step)
     if got is None:
         raise NoCheckpointError(f"No checkpoint found in {model_dir}")
     step, out = got
-    names = variables_lib.flatten(jax.device_get(dict(out["variables"])))
+    names = ckpts.named_values(step)
     names["global_step"] = out["meta"]["global_step"]
     return names
+
+
+def _placed(value: np.ndarray, spec: Any) -> Any:
+    """``value`` as the template leaf wants it: its dtype, on its sharding when it has one
+    (each process places only its own shards, so this works across hosts)."""
+    value = value.astype(spec.dtype, copy=False)
+    sharding = getattr(spec, "sharding", None)
+    if sharding is None:
+        return value
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+_LOGGED_UNREAD: set[tuple] = set()
+
+
+def _log_unread(path: str, names: list[str]) -> None:
+    """Names, once per checkpoint directory and set of names, the checkpoint variables a
+    mapped restore left unread (an EMA run's averages evaluated with EMA off, say)."""
+    key = (os.path.dirname(path), tuple(names))
+    if names and key not in _LOGGED_UNREAD:
+        _LOGGED_UNREAD.add(key)
+        log.info(
+            "Checkpoint %s holds %d variable(s) the model does not read (left out): %s",
+            path,
+            len(names),
+            names[:_MAX_LISTED] + (["..."] if len(names) > _MAX_LISTED else []),
+        )

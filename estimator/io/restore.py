@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -110,12 +111,26 @@ def restore_variables(
     example: Example,
     batch_size: int,
     checkpoint_path: str | None,
+    *,
+    saver_sources: Callable[[Callable | None], dict[str, str] | None] | None = None,
 ) -> tuple[dict, int]:
-    """Variables for evaluate/predict from ``checkpoint_path`` or the latest checkpoint.
+    """Variables for evaluate/predict/export from ``checkpoint_path`` or the latest checkpoint.
+
+    ``saver_sources(scaffold_fn)`` (``scaffold.saver_sources``, passed in by the driver) gives
+    the ``{model variable: checkpoint name}`` mapping of the spec's
+    ``Scaffold(saver=Saver(var_list))`` (TF's EMA evaluation), or None. A checkpoint holding
+    variables the model lacks is read too, the extras named once in the log (training's
+    resume stays strict).
 
     Raises:
       NoCheckpointError: no checkpoint exists (TF: "Could not find trained model").
     """
+
+    def sources() -> dict[str, str] | None:
+        # The scaffold_fn model_fn last returned in this mode (a cached trace records no spec).
+        scaffold_fn = programs.model.scaffold_fns.get(mode)
+        return None if saver_sources is None else saver_sources(scaffold_fn)
+
     model_dir, step = ckpt_lib.resolve_path(checkpoint_path, store.model_dir)
     ckpts = store.reader(model_dir)
     last = store.last
@@ -123,10 +138,11 @@ def restore_variables(
         if ckpts.newest_step() == last.step:  # the latest checkpoint is what we hold
             if not programs.traced(mode):  # trace model_fn once so its spec is known
                 abstract_variables(programs, mode, example, batch_size)
-            variables, _ = train_state_parts(last.state)
-            return _gathered(programs, variables), last.step
+            if sources() is None:  # a Saver reads other values than the ones trained
+                variables, _ = train_state_parts(last.state)
+                return _gathered(programs, variables), last.step
     template = abstract_variables(programs, mode, example, batch_size)
-    got = ckpts.restore_latest(variables=template, step=step)
+    got = ckpts.restore_latest(variables=template, step=step, sources=sources(), allow_extra=True)
     if got is None:
         raise NoCheckpointError(f"Could not find trained model in model_dir: {model_dir}")
     step, out = got

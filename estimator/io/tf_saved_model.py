@@ -117,7 +117,11 @@ def write_tf_saved_model(
 
 
 def _tf_name(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "_./-" else "_" for c in name) or "variable"
+    """A legal TF variable name for ``name``: TF's root scope must start with a letter, a
+    digit or ``.``, so a Flax module named ``_ResNet_0`` (any class starting with ``_``) is
+    stored as ``._ResNet_0/...`` (only the stored label; the export's names are unchanged)."""
+    name = "".join(c if c.isalnum() or c in "_./-" else "_" for c in name) or "variable"
+    return name if name[0].isalnum() or name[0] == "." else "." + name
 
 
 def _signature_function(tf, forward, sig: Mapping[str, Any]):

@@ -112,15 +112,16 @@ LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
             "compilation",
             "runtime",
             "summary",
+            "saver",
         ),
     ),
     (("parallel", "cross_shard_optimizer"), ("cluster",)),  # the mesh and collectives
     (("data",), ("strategy",)),  # input_fn -> staged calls; the tf.distribute-like API
     (("engine",),),  # the compiled side: model_fn under Flax, the loops, the state
     (("io",),),  # checkpoints, restore, the export format
-    (("scaffold",),),  # init from checkpoints and warm start (reads io)
+    (("scaffold", "trainable"),),  # init from checkpoints, warm start, model_fn's variables
     (("driver",),),  # the host loops: train, evaluate, predict, export
-    (("tpu_estimator", "train_and_evaluate", "tpu"),),  # the facade
+    (("tpu_estimator", "train_and_evaluate", "tpu", "exporters", "export"),),  # the facade
     (("cli", "__main__"),),  # the command line (the only importer of models)
 )
 

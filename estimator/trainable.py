@@ -1,0 +1,141 @@
+"""``trainable_variables()`` inside model_fn: TF's ``tf.trainable_variables()``.
+
+Every tensorflow/tpu vision model adds L2 weight decay over the trainable variables, and
+BERT hands them (``tvars``) to its optimizer. Here they are the ``params`` collection of
+the modules model_fn has built so far, each as a ``Variable``:
+
+- ``v.name`` is TF's form, ``dense/kernel:0`` (the name ``est.get_variable_names()`` shows,
+  with TF's ``:0``); TF code that strips the suffix (``re.match("^(.*):\\d+$", name)``) or
+  tests a substring (``'batch_normalization' not in v.name``) reads it unchanged.
+- ``v.value`` is the array, the one the loss is differentiated through in TRAIN mode.
+  Arithmetic (``v * v``, ``v ** 2``, ``v @ x``), indexing and the array's own methods
+  (``v.sum()``, ``v.astype(jnp.float32)``) work on the Variable itself. ``jnp`` functions
+  need the array: ``jnp.asarray(v)`` or ``v.value`` (JAX 0.10 no longer converts other
+  objects implicitly; TF's ``tf.nn.l2_loss(v)`` ports as ``jnp.sum(v ** 2) / 2``).
+- A Variable is a pytree node over its array, so ``jax.tree.leaves(tvars)`` gives the arrays
+  (``optax.tree.norm(tvars)`` works).
+
+Batch-norm statistics and other collections are not trainable (as in TF).
+
+Example:
+  >>> def model_fn(features, labels, mode, params):
+  ...     logits = Net()(features)
+  ...     loss = xent(logits, labels) + 1e-4 * sum(
+  ...         jnp.sum(v.astype(jnp.float32) ** 2) / 2
+  ...         for v in estimator.trainable_variables() if "BatchNorm" not in v.name)
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import flax.linen as nn
+import jax
+
+from . import context
+from .errors import EstimatorRuntimeError
+from .io.variables import named_variables
+
+
+@jax.tree_util.register_pytree_node_class
+class Variable:
+    """One trainable variable as model_fn sees it: ``name`` (TF's ``dense/kernel:0``) and
+    ``value`` (the array); operators and array methods act on the value."""
+
+    __slots__ = ("name", "value")
+
+    def __init__(self, name: str, value: Any):
+        self.name = name
+        self.value = value
+
+    def tree_flatten(self):
+        return (self.value,), self.name
+
+    @classmethod
+    def tree_unflatten(cls, name, children):
+        return cls(name, children[0])
+
+    def __jax_array__(self):
+        return self.value
+
+    def __array__(self, dtype=None, copy=None):
+        import numpy as np
+
+        return np.asarray(self.value, dtype=dtype)
+
+    def __getattr__(self, attr: str) -> Any:  # shape, dtype, ndim, sum(), astype(), T, ...
+        if attr.startswith("__") or attr in self.__slots__:  # unset slot: no recursion
+            raise AttributeError(attr)
+        return getattr(self.value, attr)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.value[index]
+
+    def __len__(self) -> int:
+        return len(self.value)
+
+    def __repr__(self) -> str:
+        shape = tuple(getattr(self.value, "shape", ()))
+        dtype = getattr(self.value, "dtype", None)
+        return f"<estimator.Variable {self.name!r} shape={shape} dtype={dtype}>"
+
+
+def _value(x: Any) -> Any:
+    return x.value if isinstance(x, Variable) else x
+
+
+def _binary(op):
+    return (
+        lambda self, other: op(self.value, _value(other)),
+        lambda self, other: op(_value(other), self.value),
+    )
+
+
+for _name, _op in (
+    ("add", operator.add),
+    ("sub", operator.sub),
+    ("mul", operator.mul),
+    ("truediv", operator.truediv),
+    ("floordiv", operator.floordiv),
+    ("mod", operator.mod),
+    ("pow", operator.pow),
+    ("matmul", operator.matmul),
+):
+    _fwd, _rev = _binary(_op)
+    setattr(Variable, f"__{_name}__", _fwd)
+    setattr(Variable, f"__r{_name}__", _rev)
+for _name, _op in (
+    ("lt", operator.lt),
+    ("le", operator.le),
+    ("gt", operator.gt),
+    ("ge", operator.ge),
+):
+    setattr(Variable, f"__{_name}__", _binary(_op)[0])
+Variable.__neg__ = lambda self: -self.value
+Variable.__pos__ = lambda self: +self.value
+Variable.__abs__ = lambda self: abs(self.value)
+
+
+def trainable_variables() -> list[Variable]:
+    """The trainable variables model_fn has created so far (TF's ``tf.trainable_variables()``),
+    in name order; see the module docstring for what a ``Variable`` is.
+
+    Raises:
+      RuntimeError: outside a model_fn called by the estimator.
+
+    Example:
+      >>> decay = sum(jnp.sum(v ** 2) / 2 for v in estimator.trainable_variables())
+    """
+    root = context.current_root_module()
+    if root is None or context.current() is None:
+        raise EstimatorRuntimeError(
+            "estimator.trainable_variables() can only be called inside model_fn (after the "
+            "layers it lists are built); outside it, name the saved variables with "
+            "est.get_variable_names()"
+        )
+    params = nn.meta.unbox(root.variables.get("params", {}))
+    return [Variable(f"{name}:0", value) for name, value in sorted(named_variables(params).items())]
+
+
+__all__ = ["Variable", "trainable_variables"]

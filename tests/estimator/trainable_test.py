@@ -1,0 +1,85 @@
+"""``trainable_variables()`` and ``get_or_create_global_step()`` inside model_fn (issue 27,
+items 2 and 7), written as the tensorflow/tpu vision mains and BERT write them."""
+
+from __future__ import annotations
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import estimator
+from tests import helpers as h
+
+X, Y = h.make_data(n=64, d=6, classes=3, seed=5)
+SEEN: dict = {}
+
+
+def model_fn(features, labels, mode, params):
+    """ResNet's loss: cross entropy plus L2 over every trainable variable except batch norm's
+    (``tf.add_n([tf.nn.l2_loss(tf.cast(v, tf.float32)) for v in tf.trainable_variables()
+    if 'batch_normalization' not in v.name])``)."""
+    x = nn.Dense(8, name="hidden")(features["x"])
+    x = nn.BatchNorm(use_running_average=mode != estimator.ModeKeys.TRAIN, axis_name="data")(x)
+    logits = nn.Dense(3, name="out")(nn.relu(x))
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    tvars = estimator.trainable_variables()
+    SEEN.setdefault(mode, [v.name for v in tvars])
+    loss = loss + params["weight_decay"] * sum(
+        jnp.sum(v.astype(jnp.float32) ** 2) / 2 for v in tvars if "BatchNorm" not in v.name
+    )
+    gs = estimator.get_or_create_global_step()
+    SEEN["global_step_shape"] = jnp.reshape(gs, [1]).shape
+    return estimator.TPUEstimatorSpec(mode, loss=loss, train_op=optax.sgd(0.5))
+
+
+def _trained(tmp_path, weight_decay, steps=8):
+    est = h.make_estimator(tmp_path, model_fn, params={"weight_decay": weight_decay})
+    est.train(h.train_input_fn(X, Y), max_steps=steps)
+    return est
+
+
+def test_weight_decay_over_trainable_variables_shrinks_the_kernels(tmp_path):
+    plain = _trained(tmp_path / "plain", 0.0)
+    decayed = _trained(tmp_path / "decayed", 0.5)
+    for name in ("hidden/kernel", "out/kernel"):
+        assert np.linalg.norm(decayed.get_variable_value(name)) < 0.9 * np.linalg.norm(
+            plain.get_variable_value(name)
+        ), name
+    # The batch norm scale is left out of the decay, as the program asks.
+    assert "BatchNorm_0/scale:0" in SEEN[estimator.ModeKeys.TRAIN]
+
+
+def test_names_are_tfs_and_match_the_checkpoints(tmp_path):
+    """BERT's ``get_assignment_map_from_checkpoint`` strips ``:0`` and looks the names up in
+    ``list_variables``: every trainable variable is found (batch statistics are not trainable)."""
+    est = _trained(tmp_path, 0.0, steps=2)
+    names = SEEN[estimator.ModeKeys.TRAIN]
+    assert all(n.endswith(":0") for n in names)
+    stripped = [re.match("^(.*):\\d+$", n).group(1) for n in names]
+    saved = {n for n, _ in estimator.list_variables(est.model_dir)}
+    assert set(stripped) <= saved
+    model_vars = set(est.get_variable_names()) - {"global_step"}
+    assert set(stripped) == {n for n in model_vars if not n.startswith("batch_stats/")}
+    assert SEEN["global_step_shape"] == (1,)
+
+
+def test_a_variable_acts_as_its_array():
+    v = estimator.trainable.Variable("dense/kernel:0", jnp.arange(6.0).reshape(2, 3))
+    np.testing.assert_allclose(v * 2, np.arange(6.0).reshape(2, 3) * 2)
+    np.testing.assert_allclose(2 - v, 2 - np.arange(6.0).reshape(2, 3))
+    assert v.shape == (2, 3) and v.sum() == 15.0 and v[1, 2] == 5.0
+    np.testing.assert_allclose(jnp.asarray(v), np.asarray(v))
+    assert jax.tree.leaves([v])[0] is v.value  # a pytree node over its array
+    assert optax.tree.norm([v]) == pytest.approx(float(np.sqrt((np.arange(6.0) ** 2).sum())))
+
+
+def test_outside_model_fn_they_say_where_they_work():
+    with pytest.raises(RuntimeError, match="inside model_fn"):
+        estimator.trainable_variables()
+    with pytest.raises(RuntimeError, match="inside model_fn"):
+        estimator.get_or_create_global_step()
