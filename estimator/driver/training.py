@@ -210,8 +210,9 @@ class TrainRun:
         signals = preemption.active()  # a stop request ends a wait for input
         interrupt = None if signals is None else signals.event
         self.pipe = pipe
+        policy = job.feeder.layout(ModeKeys.TRAIN).loop_policy(unrolled=True)  # never merged
         self.prefetch = job.feeder.prefetch(
-            pipe, self.budget.next_loop, fill=False, skip=skip, interrupt=interrupt
+            pipe, self.budget.next_loop, policy, skip=skip, interrupt=interrupt
         )
         self.first = next(self.prefetch, None)
         if self.first is not None:
@@ -424,6 +425,22 @@ def _default_hooks(config: RunConfig, given, *, writer, examples_per_step: int) 
     if every:  # logs speed; the summaries come every save_summary_steps (TrainSummaries)
         out.append(hooks_lib.StepCounterHook(every_n_steps=every))
     return out
+
+
+def check_steps(steps, max_steps) -> None:
+    """``train``'s ``steps`` and ``max_steps``: at most one, a positive int.
+
+    Raises:
+      EstimatorValueError: both given, or not positive.
+      EstimatorTypeError: not an int.
+    """
+    if steps is not None and max_steps is not None:
+        raise EstimatorValueError("Can not provide both steps and max_steps.")
+    for name, value in (("steps", steps), ("max_steps", max_steps)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise EstimatorTypeError(f"{name} must be an int, got {value!r}")
+        if value is not None and value <= 0:
+            raise EstimatorValueError(f"Must specify {name} > 0, given: {value}")
 
 
 def _checked_listeners(listeners) -> list:
