@@ -309,8 +309,8 @@ class TrainRun:
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
         args = jax.tree.map(abstract, (self.state, self.first.features, self.first.labels))
-        program = self.job.programs.train(self.model_batch)
-        return lambda: program.lower(*args).compile()
+        programs, batch = self.job.programs, self.model_batch
+        return lambda: programs.train(batch).lower(*args).compile()
 
     def loop(self, runner: HookRunner, worker: HostWorker, signals: StopSignals) -> EndReason:
         """Runs loops until the budget is reached, a hook or listener stops, the input ends
