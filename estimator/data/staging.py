@@ -101,8 +101,8 @@ class Stager:
         for a, length, steps in segments:
             pulls = after[a + steps - 1] - (after[a - 1] if a else before)
             leaves = [buf[a : a + length] for buf in bufs]
-            # The loop ends inside this segment, as offsets in it (padded steps included).
-            ends = tuple(e - a for e in call.loop_ends if a < e <= a + length)
+            # The loop ends among this segment's real steps, as offsets in it.
+            ends = tuple(e - a for e in call.loop_ends if a < e <= a + steps)
             chunks.append(
                 self._transfer(leaves, mask[a : a + length], steps, pulls, state, call, ends)
             )
