@@ -14,8 +14,6 @@ Current limitations are listed in docs/design.md.
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -32,8 +30,8 @@ from .data.layout import batch_layouts
 from .driver.evaluation import run_eval_loops
 from .driver.export import export_saved_model
 from .driver.job import Job, TrainOutcome
-from .driver.prediction import run_predict_loops
-from .driver.training import run_train_loops
+from .driver.prediction import checked_predict_keys, run_predict_loops
+from .driver.training import check_steps, run_train_loops
 from .engine.model import ModelFn, user_params
 from .engine.programs import Programs
 from .errors import EstimatorTypeError, EstimatorValueError, NoCheckpointError
@@ -101,7 +99,9 @@ class TPUEstimator:
                 f"config must be an estimator.RunConfig, got {type(config).__name__}"
             )
         start_cluster(config.cluster, model_dir=model_dir or config.model_dir)  # before devices
-        self._config = config.replace(model_dir=_model_dir(model_dir, config))
+        self._config = config.replace(
+            model_dir=ckpt_lib.resolve_model_dir(model_dir, config.model_dir)
+        )
         runtime.setup(self._config)
         self._params = user_params(params)
         self._model = ModelFn(model_fn, self._params, self._config)
@@ -187,7 +187,7 @@ class TPUEstimator:
           ValueError: ``steps``/``max_steps`` both set or not positive.
           NanLossDuringTrainingError: a NaN or Inf loss (no checkpoint of it is written).
         """
-        _check_steps(steps, max_steps)
+        check_steps(steps, max_steps)
         hooks = as_hook_list(hooks)
         self._last_outcome = run_train_loops(
             self._job,
@@ -202,7 +202,9 @@ class TPUEstimator:
 
     @property
     def last_train_outcome(self) -> TrainOutcome | None:
-        """How the last ``train`` call ended (step reached, stopped by a hook), or None."""
+        """How the last ``train`` call ended: ``step`` and ``reason`` (an ``EndReason``:
+        ``"target"``, ``"hook"``, ``"listener"``, ``"input_end"``, ``"already_done"``), or
+        None before one returned."""
         return self._last_outcome
 
     # ----------------------------------------------------------------- evaluate / predict
@@ -220,8 +222,6 @@ class TPUEstimator:
           Every metric of ``eval_metrics``, ``loss`` (mean over real examples) and
           ``global_step``.
         """
-        if steps is not None and (not isinstance(steps, int) or steps <= 0):
-            raise EstimatorValueError(f"Must specify steps > 0, given: {steps}")
         hooks = as_hook_list(hooks)
         return run_eval_loops(
             self._job,
@@ -253,15 +253,7 @@ class TPUEstimator:
           One dict per example (or the array itself when ``predictions`` is an array); one per
           batch with ``yield_single_examples=False``.
         """
-        if isinstance(predict_keys, str):
-            predict_keys = [predict_keys]
-        if predict_keys is not None and (
-            not isinstance(predict_keys, (list, tuple))
-            or not all(isinstance(k, str) for k in predict_keys)
-        ):
-            raise EstimatorTypeError(
-                f"predict_keys must be a str or a list of str, got {predict_keys!r}"
-            )
+        predict_keys = checked_predict_keys(predict_keys)  # checked now, not at the first next()
         hooks = as_hook_list(hooks)
         return run_predict_loops(
             self._job,
@@ -334,20 +326,6 @@ class TPUEstimator:
         return ckpt_lib.read_variables(self.model_dir)  # the newest readable one
 
 
-def _model_dir(model_dir: str | None, config: RunConfig) -> str:
-    if model_dir is not None and config.model_dir is not None:
-        if os.path.abspath(str(model_dir)) != os.path.abspath(config.model_dir):
-            raise EstimatorValueError(
-                f"model_dir={model_dir!r} differs from config.model_dir={config.model_dir!r}"
-            )
-    chosen = model_dir if model_dir is not None else config.model_dir
-    if chosen is None:
-        chosen = tempfile.mkdtemp(prefix="tpu_estimator_")
-        log.warning("Using temporary folder as model directory: %s", chosen)
-    ckpt_lib.check_model_dir(str(chosen))  # before anything is written there
-    return str(chosen)
-
-
 _TF_ONLY_MEANING = {
     "eval_on_tpu": "evaluation runs on the estimator's devices, with the same results",
     "export_to_tpu": "export_saved_model writes one computation; choose its platforms with "
@@ -378,13 +356,3 @@ def _tf_only_arguments(**given: Any) -> None:
     for name, value in given.items():
         if value is not None:
             log.warning("TPUEstimator(%s=%r) ignored: %s", name, value, _TF_ONLY_MEANING[name])
-
-
-def _check_steps(steps, max_steps) -> None:
-    if steps is not None and max_steps is not None:
-        raise EstimatorValueError("Can not provide both steps and max_steps.")
-    for name, value in (("steps", steps), ("max_steps", max_steps)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise EstimatorTypeError(f"{name} must be an int, got {value!r}")
-        if value is not None and value <= 0:
-            raise EstimatorValueError(f"Must specify {name} > 0, given: {value}")

@@ -156,7 +156,7 @@ def train_and_evaluate(est, train_spec: TrainSpec, eval_spec: EvalSpec) -> tuple
         max_steps=train_spec.max_steps,
         saving_listeners=[listener],
     )
-    step = _global_step(est)
+    step = est.last_train_outcome.step  # the step training ended (and checkpointed) at
     if listener.last_step != step:
         listener.evaluate(step, final=True)
     elif not listener.final_exported:  # training ended early: the last evaluation is final
@@ -169,8 +169,3 @@ def train_and_evaluate(est, train_spec: TrainSpec, eval_spec: EvalSpec) -> tuple
             checkpoint_path=est.latest_checkpoint(),
         )
     return listener.result, listener.export_results
-
-
-def _global_step(est) -> int | None:
-    path = est.latest_checkpoint()
-    return None if path is None else int(path.rstrip("/").split("/")[-1].split("-")[-1])

@@ -14,7 +14,7 @@ from ..config import RunConfig
 from ..input_context import InputContext
 from ..tpu_context import input_fn_context
 from .inputs import Pipeline, Prefetcher, call_input_fn
-from .layout import BatchLayout
+from .layout import BatchLayout, LoopPolicy
 from .plan import input_budget
 from .staging import stream_calls
 from .synced import synced
@@ -33,7 +33,8 @@ class Feeder:
 
     Example:
       >>> pipe = feeder.pipeline(input_fn, ModeKeys.EVAL, pad=True)
-      >>> chunks = feeder.prefetch(pipe, lambda: 4, fill=True)   # loops of 4 steps
+      >>> policy = feeder.layout(ModeKeys.EVAL).loop_policy(unrolled=False)
+      >>> chunks = feeder.prefetch(pipe, lambda: 4, policy)   # loops of 4 steps
     """
 
     def __init__(self, layouts: dict[str, BatchLayout], params: dict, config: RunConfig, mesh):
@@ -76,17 +77,15 @@ class Feeder:
         self,
         pipe: Pipeline,
         schedule: Callable[[], int],
+        policy: LoopPolicy,
         *,
-        fill: bool,
-        merge_loops: bool = False,
         skip: int = 0,
         interrupt: threading.Event | None = None,
         pad_short: Callable[[int, int], bool] | None = None,
     ):
         """The chunks of every compiled call, staged ahead on a thread and agreed across
-        processes. ``schedule()`` gives each loop's steps (<= 0 ends); ``fill`` (eval and
-        predict) runs a loop the input ends inside as calls of power-of-two lengths;
-        ``merge_loops`` (eval) lets a call run several whole loops; ``skip`` batches already
+        processes. ``schedule()`` gives each loop's steps (<= 0 ends); ``policy`` is the
+        mode's ``LoopPolicy`` (``BatchLayout.loop_policy``); ``skip`` batches already
         consumed are passed over first. Once ``interrupt`` is set, a wait for the next chunk
         ends as the end of the input. ``pad_short(real, planned)`` (eval and predict) may run
         a call the input cut short padded to its planned length instead (``engine/tails.py``)."""
@@ -95,15 +94,13 @@ class Feeder:
             pipe,
             mesh=self.mesh,
             next_loop=schedule,
+            policy=policy,
             iterations_per_loop=tpu.iterations_per_loop,
             budget=input_budget(
                 tpu.max_staged_input_bytes,
                 platform=self.mesh.devices.flat[0].platform,
                 local_devices=len(self.mesh.local_devices),
             ),
-            exact_tail=not fill,
-            fill=fill,
-            merge_loops=merge_loops,
             skip=skip,
             on_skip_short=lambda n: log.warning(
                 "Input ended while skipping %d consumed batches.", n
@@ -113,4 +110,4 @@ class Feeder:
         # One call staged ahead: with two running or queued and one being transferred, at
         # most four calls' input are on a device at once.
         prefetcher = Prefetcher(chunks, depth=1, interrupt=interrupt)
-        return synced(prefetcher, pipe, fill=fill, mesh=self.mesh)
+        return synced(prefetcher, pipe, pads=policy.pads, mesh=self.mesh)

@@ -316,8 +316,13 @@ class Chunk(NamedTuple):
     steps: int  # real steps (batches with at least one real row)
     pulls: int  # batches taken from the input iterator
     input_state: Any = None  # the iterator's encoded get_state() right after these pulls
-    ends_loop: bool = True  # the last call of its loop of iterations_per_loop steps
-    loop_steps: int = 0  # the planned steps of that loop
+    loop_steps: int = 0  # the planned steps of each loop it runs (or belongs to)
+    loop_ends: tuple[int, ...] = ()  # offsets (<= steps) where one of those loops ends
+
+    @property
+    def ends_loop(self) -> bool:
+        """Whether its last step ends a loop of ``iterations_per_loop`` steps."""
+        return bool(self.loop_ends) and self.loop_ends[-1] == self.steps
 
 
 class Pipeline:

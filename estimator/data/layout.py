@@ -108,6 +108,13 @@ class BatchLayout:
                 f"{self.field} must be set to run {self.mode} with use_tpu=True"
             )
 
+    def loop_policy(self, *, unrolled: bool) -> LoopPolicy:
+        """This mode's ``LoopPolicy``; ``unrolled``: whether its compiled loop is unrolled
+        (then merging loops would grow the program with them)."""
+        return LoopPolicy(
+            self.mode, self.processes, merge_loops=self.mode == "eval" and not unrolled
+        )
+
     def count_once(self, host_mask: np.ndarray) -> np.ndarray:
         """The ``[steps, rows]`` mask with BROADCAST's copies dropped (replica 0's kept)."""
         if not self.broadcast:
@@ -116,6 +123,49 @@ class BatchLayout:
         per_replica = host_mask.shape[1] // self.replicas
         keep[:, :per_replica] = host_mask[:, :per_replica]
         return keep
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopPolicy:
+    """How one mode's input becomes compiled calls; it follows from the mode, the number of
+    processes and whether the mode's loop is unrolled.
+
+    * ``pads``: evaluation and prediction pad a short batch and run every example; the loops
+      go on while any process has rows. Training keeps whole batches and ends where the
+      shortest process's input does.
+    * ``exact_tail``: training runs a loop's tail as one call of exactly its steps;
+      evaluation and prediction run it as calls of power-of-two lengths (few programs).
+    * ``merge_loops``: evaluation with rolled loops runs several whole loops in one call.
+    * ``split_short``: in one process, a call the input cut short runs as whole loops and
+      then powers of two of its real steps.
+    * ``pad_short``: evaluation or prediction over several processes, whose inputs may end
+      at different steps: a call cut short is padded to its planned length instead.
+
+    Example:
+      >>> policy = LoopPolicy("eval", processes=1, merge_loops=True)
+      >>> policy.pads, policy.exact_tail, policy.split_short, policy.pad_short
+      (True, False, True, False)
+    """
+
+    mode: str
+    processes: int = 1
+    merge_loops: bool = False
+
+    @property
+    def pads(self) -> bool:
+        return self.mode != "train"
+
+    @property
+    def exact_tail(self) -> bool:
+        return not self.pads
+
+    @property
+    def split_short(self) -> bool:
+        return self.processes == 1
+
+    @property
+    def pad_short(self) -> bool:
+        return self.pads and self.processes > 1
 
 
 def check_batch_size(

@@ -17,10 +17,11 @@ Call lengths come from a small set, so a second ``evaluate`` compiles nothing:
   evaluation merges loops, below).
 
 Evaluation keeps no state between loops, so when several whole loops fit the budget one call
-runs up to ``MAX_LOOPS_PER_CALL`` of them (``loops_per_call``); the hooks still see each loop
-(``driver/evaluation.py``). Whole loops left over at the end run as one-loop calls, so this
-adds one program, not a family of them. Prediction keeps one loop per call: its
-``iterations_per_loop`` is how many batches the user waits for before the first results.
+runs up to ``MAX_LOOPS_PER_CALL`` of them (``loops_per_call``); the hooks still see each loop,
+cut where the call says its loops end (``Call.loop_ends``; ``driver/evaluation.py``). Whole
+loops left over at the end run as one-loop calls, so this adds one program, not a family.
+Prediction keeps one loop per call: its ``iterations_per_loop`` is how many batches the user
+waits for before the first results.
 
 Example:
   >>> calls_per_loop(10, 4, exact_tail=True)
@@ -131,11 +132,16 @@ def calls_per_loop(n: int, k: int, *, exact_tail: bool) -> list[int]:
 
 
 class Call(NamedTuple):
-    """One compiled call of a loop, as the input side plans it."""
+    """One compiled call, as the input side plans it, with the loop ends inside it."""
 
     steps: int  # steps of this call
-    loop_steps: int  # planned steps of the loop it belongs to
-    ends_loop: bool  # whether it is the last call of its loop
+    loop_steps: int  # planned steps of each loop it runs (or belongs to)
+    loop_ends: tuple[int, ...] = ()  # offsets in the call where a loop ends: (k, 2k, 3k)
+
+    @property
+    def ends_loop(self) -> bool:
+        """Whether its last step ends a loop."""
+        return bool(self.loop_ends) and self.loop_ends[-1] == self.steps
 
 
 def plan_calls(
@@ -145,7 +151,7 @@ def plan_calls(
 
     With ``merge > 1`` (evaluation, where ``k`` is the whole loop), ``merge`` loops of ``k``
     steps run as one call; whole loops left when a shorter loop or the end comes run one
-    per call.
+    per call. Each call carries where its loops end (``Call.loop_ends``).
     """
     whole = 0  # whole loops waiting to be merged
     while True:
@@ -153,14 +159,14 @@ def plan_calls(
         if merge > 1 and n == k:
             whole += 1
             if whole == merge:
-                yield Call(k * merge, k, True)
+                yield Call(k * merge, k, tuple(k * (i + 1) for i in range(merge)))
                 whole = 0
             continue
         for _ in range(whole):
-            yield Call(k, k, True)
+            yield Call(k, k, (k,))
         whole = 0
         if n <= 0:
             return
         lengths = calls_per_loop(n, k, exact_tail=exact_tail)
         for i, steps in enumerate(lengths):
-            yield Call(steps, n, i == len(lengths) - 1)
+            yield Call(steps, n, (steps,) if i == len(lengths) - 1 else ())

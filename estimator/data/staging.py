@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterator
 import numpy as np
 from jax.sharding import Mesh
 
-from ..parallel import multihost
 from . import plan
 from .inputs import Chunk, Pipeline, to_devices
+from .layout import LoopPolicy
 
 
 def aligned_empty(shape: tuple[int, ...], dtype, align: int = 64) -> np.ndarray:
@@ -47,12 +47,13 @@ class Stager:
     Args:
       pipe: the pipeline (its first batch already read: ``pipe.prime()``).
       mesh: the device mesh; inputs are sharded over ``"data"``.
-      split_short: run a call the input cut short as calls of its real steps: whole loops of
-        ``loop`` steps, then powers of two.
-      fill: pad a call the input cut short to its planned length instead.
+      policy: the mode's ``LoopPolicy``: whether a call the input cut short runs as calls of
+        its real steps (whole loops of ``loop`` steps, then powers of two) or is padded to
+        its planned length.
       loop: ``iterations_per_loop``.
-      pad_short: with ``split_short``, ``pad_short(real, planned)`` may choose the padded
-        call for a call the input cut short (``engine/tails.py``: whichever costs less).
+      pad_short: where the policy pads (eval, predict), ``pad_short(real, planned)`` may
+        choose the padded call for a call the input cut short (``engine/tails.py``:
+        whichever costs less).
     """
 
     def __init__(
@@ -60,14 +61,12 @@ class Stager:
         pipe: Pipeline,
         mesh: Mesh,
         *,
-        split_short: bool,
-        fill: bool,
+        policy: LoopPolicy,
         loop: int,
         pad_short: Callable[[int, int], bool] | None = None,
     ):
-        self._pipe, self._mesh = pipe, mesh
-        self._split, self._fill, self._loop = split_short, fill, loop
-        self._pad_short = pad_short
+        self._pipe, self._mesh, self._policy, self._loop = pipe, mesh, policy, loop
+        self._choose_pad = pad_short if policy.pads else None
         self.ended = False  # the input ended inside (or before) the last call read
 
     def read(self, call: plan.Call) -> list[Chunk]:
@@ -85,12 +84,13 @@ class Stager:
         ended = self.ended = real < n
         if real == 0:
             return []
-        if ended and (self._fill or (self._pad_short is not None and self._pad_short(real, n))):
+        choose = self._choose_pad
+        if ended and (self._policy.pad_short or (choose is not None and choose(real, n))):
             for buf in bufs:
                 buf[real:n] = 0
             mask[real:n] = False
             segments = [(0, n, real)]
-        elif ended and self._split:
+        elif ended and self._policy.split_short:
             sizes = plan.split_steps(real, self._loop)
             starts = np.cumsum([0, *sizes[:-1]])
             segments = [(int(a), s, s) for a, s in zip(starts, sizes)]
@@ -98,27 +98,28 @@ class Stager:
             segments = [(0, real, real)]
         state = pipe.get_state()
         chunks = []
-        for j, (a, length, steps) in enumerate(segments):
-            last = j == len(segments) - 1
+        for a, length, steps in segments:
             pulls = after[a + steps - 1] - (after[a - 1] if a else before)
             leaves = [buf[a : a + length] for buf in bufs]
+            # The loop ends among this segment's real steps, as offsets in it.
+            ends = tuple(e - a for e in call.loop_ends if a < e <= a + steps)
             chunks.append(
-                self._transfer(leaves, mask[a : a + length], steps, pulls, state, call, last)
+                self._transfer(leaves, mask[a : a + length], steps, pulls, state, call, ends)
             )
         return chunks
 
-    def _transfer(self, leaves, host_mask, steps, pulls, state, call, last) -> Chunk:
+    def _transfer(self, leaves, host_mask, steps, pulls, state, call, ends) -> Chunk:
         features, labels, mask = to_devices(self._pipe, leaves, host_mask, self._mesh)
         return Chunk(
             features,
             labels,
             mask,
             host_mask,
-            steps,
-            pulls,
-            state,
-            last and call.ends_loop,
-            call.loop_steps,
+            steps=steps,
+            pulls=pulls,
+            input_state=state,
+            loop_steps=call.loop_steps,
+            loop_ends=ends,
         )
 
 
@@ -127,41 +128,35 @@ def stream_calls(
     *,
     mesh: Mesh,
     next_loop: Callable[[], int],
+    policy: LoopPolicy,
     iterations_per_loop: int,
     budget: int,
-    exact_tail: bool,
-    fill: bool,
-    merge_loops: bool = False,
     skip: int = 0,
     on_skip_short: Callable[[int], None] | None = None,
     pad_short: Callable[[int, int], bool] | None = None,
 ) -> Iterator[Chunk]:
     """The chunks of every planned call, in order (run it on the prefetch thread).
 
-    ``next_loop()`` gives each loop's steps (<= 0 ends); ``merge_loops`` lets one call run
-    several whole loops that fit the budget (evaluation: ``plan.loops_per_call``); ``skip``
-    batches are fast-forwarded first (``on_skip_short(skip)`` is called when the input ends
-    before). ``pad_short`` chooses how a call the input cut short runs (``Stager``).
+    ``next_loop()`` gives each loop's steps (<= 0 ends); ``policy`` (the mode's
+    ``LoopPolicy``) says how calls are cut and whether one may run several whole loops that
+    fit the budget (evaluation: ``plan.loops_per_call``); ``skip`` batches are fast-forwarded
+    first (``on_skip_short(skip)`` is called when the input ends before). ``pad_short``
+    chooses how a call the input cut short runs (``Stager``).
     """
     if skip and pipe.skip(skip) < skip and on_skip_short is not None:
         on_skip_short(skip)
     if not pipe.prime():
         return
-    sizes = {"budget": budget, "step_bytes": pipe.step_bytes()}
-    k = plan.steps_per_call(**sizes, iterations_per_loop=iterations_per_loop)
-    merge = (
-        plan.loops_per_call(**sizes, iterations_per_loop=iterations_per_loop) if merge_loops else 1
-    )
-    split = not multihost.is_multiprocess()
-    stager = Stager(
-        pipe,
-        mesh,
-        split_short=split,
-        fill=fill and not split,
-        loop=iterations_per_loop,
-        pad_short=pad_short if fill else None,
-    )
-    for call in plan.plan_calls(next_loop, k=k, exact_tail=exact_tail, merge=merge):
+    sizes = {
+        "budget": budget,
+        "step_bytes": pipe.step_bytes(),
+        "iterations_per_loop": iterations_per_loop,
+    }
+    k = plan.steps_per_call(**sizes)
+    merge = plan.loops_per_call(**sizes) if policy.merge_loops else 1
+    stager = Stager(pipe, mesh, policy=policy, loop=iterations_per_loop, pad_short=pad_short)
+    calls = plan.plan_calls(next_loop, k=k, exact_tail=policy.exact_tail, merge=merge)
+    for call in calls:
         yield from stager.read(call)
         if stager.ended:
             return

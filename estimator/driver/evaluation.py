@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from ..runtime import seed_key_data
 from ..scaffold import saver_sources
 from ..spec import ModeKeys
 from . import dispatch, eval_loss
+from .budget import StepBudget
 from .hook_runner import HookRunner, Session
 from .host import HostWorker, MetricAccumulator
 from .job import Job
@@ -29,56 +31,69 @@ from .job import Job
 log = logging.getLogger("estimator")
 
 
-def device_loops(
-    job: Job,
-    input_fn,
-    mode: str,
-    *,
-    steps: int | None,
-    hooks,
-    checkpoint_path,
-    to_host=multihost.to_host,
-    pad_probe: list | None = None,
-) -> Iterator:
-    """Yields ``(chunk, outputs, global_step)`` per compiled call of EVAL or PREDICT, split
-    where a call runs several loops (evaluation, ``data/plan.py``); the hooks run around
-    each loop of ``iterations_per_loop`` steps, one call behind the devices (docs/guide.md).
-    A loop the input ends inside runs only its real steps. ``to_host`` copies a call's
-    outputs to the host (default: every row, on every process).
-    ``pad_probe`` (a list) receives ``probe(chunk) -> outputs`` of the same loop on an
-    all-padding chunk shaped like ``chunk``.
+class DeviceLoops:
+    """The compiled calls of EVAL or PREDICT, with their hooks around each loop.
+
+    Iterating yields ``(chunk, outputs, global_step)`` per loop part: each compiled call,
+    cut where it carries a loop end (evaluation runs several loops per call,
+    ``data/plan.py``). The hooks run around each loop of ``iterations_per_loop`` steps,
+    one call behind the devices (docs/guide.md); a loop the input ends inside runs only its
+    real steps. ``to_host`` copies a call's outputs to the host (default: every row, on
+    every process). ``steps``: at most this many batches (None: the whole input).
     """
-    pipe = job.feeder.pipeline(input_fn, mode, pad=True)
-    ipl = job.config.tpu_config.iterations_per_loop
-    left = [steps]
 
-    def schedule() -> int:
-        if left[0] is None:
-            return ipl
-        n = min(ipl, left[0])
-        left[0] -= n
-        return n
+    def __init__(
+        self, job: Job, input_fn, mode: str, *, steps, hooks, checkpoint_path, to_host=None
+    ):
+        self.job, self.input_fn, self.mode = job, input_fn, mode
+        self.steps, self.hooks, self.checkpoint_path = steps, hooks, checkpoint_path
+        self.to_host = to_host or multihost.to_host
+        self._call = None  # (chunk features, labels, mask) -> device outputs, once restored
 
-    # Evaluation may run several loops per call, unless unrolled programs would grow with it.
-    merge = mode == ModeKeys.EVAL and not job.programs.unrolled(mode)
+    def __iter__(self) -> Iterator:
+        job, mode = self.job, self.mode
+        pipe = job.feeder.pipeline(self.input_fn, mode, pad=True)
+        ipl = job.config.tpu_config.iterations_per_loop
+        budget = StepBudget(0, self.steps, iterations_per_loop=ipl)  # the one step count
+        policy = job.feeder.layout(mode).loop_policy(unrolled=job.programs.unrolled(mode))
 
-    def costs():  # of this mode's programs at the input's batch size (engine/tails.py)
-        return job.programs.costs(mode, pipe.rows_per_step // job.num_replicas)
+        def costs():  # of this mode's programs at the input's batch size (engine/tails.py)
+            return job.programs.costs(mode, pipe.rows_per_step // job.num_replicas)
 
-    prefetch = job.feeder.prefetch(
-        pipe,
-        schedule,
-        fill=True,
-        merge_loops=merge,
-        pad_short=lambda real, planned: costs().pad(real, planned, ipl),
-    )
-    try:
-        chunk = next(prefetch, None)
-        if chunk is None:
-            raise EstimatorValueError(
-                f"input_fn produced no batches to {'evaluate' if mode == 'eval' else 'predict'}"
+        prefetch = job.feeder.prefetch(
+            pipe,
+            budget.next_loop,
+            policy,
+            pad_short=lambda real, planned: costs().pad(real, planned, ipl),
+        )
+        try:
+            chunk = next(prefetch, None)
+            if chunk is None:
+                what = "evaluate" if mode == ModeKeys.EVAL else "predict"
+                raise EstimatorValueError(f"input_fn produced no batches to {what}")
+            job.model.check_labels(pipe.has_labels)
+            runner, global_step = self._start(chunk)
+            # One dispatch over every call, across loop boundaries: the next loop's first call
+            # is queued before the last one's outputs are fetched and its hooks run, so the
+            # devices do not wait for the host between loops. A stop requested in after_run
+            # drops the call already queued (evaluation keeps no position).
+            calls = itertools.chain([chunk], prefetch)
+            chunk = None  # the first call's input goes with its call
+            fetched = tails.measured(
+                costs(),
+                lambda c: self._call(c.features, c.labels, c.mask),
+                lambda launch: dispatch.dispatch(calls, launch=launch, fetch=self.to_host),
             )
-        job.model.check_labels(pipe.has_labels)
+            for part, outs in self._hooked(runner, _loop_parts(fetched)):
+                yield part, outs, global_step
+            runner.end()
+        finally:
+            prefetch.close()
+
+    def _start(self, chunk) -> tuple[HookRunner, int]:
+        """Restores the variables, compiles the loop for ``chunk``'s shapes and begins the
+        hooks; returns them and the global step evaluated."""
+        job, mode = self.job, self.mode
         batch = jax.tree.leaves(chunk.features)[0].shape[1] // job.num_replicas
         variables, global_step = restore_variables(
             job.programs,
@@ -86,7 +101,7 @@ def device_loops(
             mode,
             (chunk.features, chunk.labels),
             batch,
-            checkpoint_path,
+            self.checkpoint_path,
             saver_sources=saver_sources,
         )
         variables = one_copy_on_cpu(variables)  # read by every call: one copy on CPU devices
@@ -96,7 +111,7 @@ def device_loops(
             _check_predictions(spec.predictions, batch)
         spec_hooks = spec.evaluation_hooks if mode == ModeKeys.EVAL else spec.prediction_hooks
         runner = HookRunner(
-            list(spec_hooks) + list(hooks or ()),
+            list(spec_hooks) + list(self.hooks or ()),
             Session(mode=mode, model_dir=job.model_dir, global_step=global_step),
             examples_per_step=job.feeder.layout(mode).global_rows or 0,
         )
@@ -106,64 +121,47 @@ def device_loops(
         replicated = NamedSharding(job.mesh, P())
         rng = jax.device_put(seed_key_data(job.config.tf_random_seed), replicated)
         step_arr = jax.device_put(np.int32(global_step), replicated)
-        if pad_probe is not None:
-            pad_probe.append(
-                lambda c: to_host(loop(variables, step_arr, rng, *eval_loss.all_padding(c)))
-            )
+        self._call = functools.partial(loop, variables, step_arr, rng)
+        return runner, global_step
 
-        def launch(c):
-            return loop(variables, step_arr, rng, c.features, c.labels, c.mask)
-
-        # One dispatch over every call, across loop boundaries: the next loop's first call is
-        # queued before the last one's outputs are fetched and its hooks run, so the devices
-        # do not wait for the host between loops. Hooks still see each loop in order; a stop
-        # requested in after_run drops the call already queued (evaluation keeps no position).
-        calls = itertools.chain([chunk], prefetch)
-        chunk = None  # the first call's input goes with its call
-        fetched = tails.measured(
-            costs(), launch, lambda launch: dispatch.dispatch(calls, launch=launch, fetch=to_host)
-        )
-        done, start, losses, counters = 0, 0, [], None
-        for part, outs in _by_loop(fetched, ipl):
-            if counters is None:  # the first part of a loop
-                start, losses = done, []
-                planned = ipl if steps is None else min(ipl, steps - done)
-                counters = np.arange(done + 1, done + planned + 1)
-                runner.before_run(counters)
+    def _hooked(self, runner: HookRunner, parts: Iterator) -> Iterator:
+        """The loop parts, with the hooks' before_run at each loop's first part and
+        after_run at its last (or where the input ended); stops when a hook asks to."""
+        done, steps, losses = 0, None, []
+        for part, outs, ends_loop in parts:
+            if steps is None:  # a loop begins: its planned steps
+                steps, losses = np.arange(done + 1, done + part.loop_steps + 1), []
+                runner.before_run(steps)
             done += part.steps
-            yield part, outs, global_step
-            if mode == ModeKeys.EVAL:
+            yield part, outs
+            if self.mode == ModeKeys.EVAL:
                 losses.append(outs[0][: part.steps].mean(axis=1))
-            if done - start == len(counters):  # the loop is complete
-                if runner.after_run(_loop_values(mode, losses), counters):
-                    break
-                counters = None
-        else:
-            if counters is not None:  # the input ended inside a loop
-                runner.after_run(_loop_values(mode, losses), counters[: done - start])
-        runner.end()
-    finally:
-        prefetch.close()
+            if ends_loop:
+                if runner.after_run(_loop_values(self.mode, losses), steps):
+                    return
+                steps = None
+        if steps is not None:  # the input ended inside a loop: the steps it ran
+            runner.after_run(_loop_values(self.mode, losses), steps[: done - steps[0] + 1])
+
+    def padding_losses(self, chunk) -> np.ndarray:
+        """The per-row losses of one all-padding step shaped like ``chunk``'s (evaluation)."""
+        return self.to_host(self._call(*eval_loss.all_padding(chunk)))[0][0]
 
 
-def _by_loop(fetched: Iterator, ipl: int) -> Iterator:
-    """``(chunk, outputs)`` per fetched call, a call that runs several loops split where a
-    loop ends (every loop but the last has ``ipl`` steps, so loops end at its multiples)."""
-    done = 0
+def _loop_parts(fetched: Iterator) -> Iterator:
+    """``(part, outputs, ends a loop)`` per fetched call, a call cut at the loop ends it
+    carries; the last part of a call keeps its padding steps."""
     for call, outs in fetched:
-        if done // ipl == (done + call.steps - 1) // ipl:  # within one loop: as it is
-            done += call.steps
-            yield call, outs
+        cuts = [e for e in call.loop_ends if e < call.steps]
+        if not cuts:
+            yield call, outs, call.ends_loop
             continue
-        rows = call.host_mask.shape[0]  # steps the call ran, padding ones included
-        a = 0
-        while a < call.steps:
-            b = min(call.steps, a + ipl - (done + a) % ipl)
-            end = b if b < call.steps else rows  # the last part keeps the padding steps
-            part = call._replace(host_mask=call.host_mask[a:end], steps=b - a)
-            yield part, jax.tree.map(lambda x, a=a, end=end: x[a:end], outs)
+        rows, a = call.host_mask.shape[0], 0
+        for b in [*cuts, call.steps]:
+            end = b if b < call.steps else rows
+            part = call._replace(host_mask=call.host_mask[a:end], steps=b - a, loop_ends=())
+            yield part, jax.tree.map(lambda x, a=a, end=end: x[a:end], outs), b in call.loop_ends
             a = b
-        done += call.steps
 
 
 def _loop_values(mode: str, losses: list) -> dict:
@@ -186,28 +184,25 @@ def _check_predictions(predictions: Any, rows: int) -> None:
 
 def run_eval_loops(job: Job, input_fn, *, steps, hooks, checkpoint_path, name) -> dict:
     """Evaluates every example once; returns the metrics, ``loss`` and ``global_step``."""
+    if steps is not None and (not isinstance(steps, int) or steps <= 0):
+        raise EstimatorValueError(f"Must specify steps > 0, given: {steps}")
     mode = ModeKeys.EVAL
     layout = job.feeder.layout(mode)
     worker = HostWorker("eval-metrics")
     acc = MetricAccumulator()
     loss_sum, count, global_step = 0.0, 0, 0
-    probe, pad_losses = [], None
+    pad_losses = None
+    loops = DeviceLoops(
+        job, input_fn, mode, steps=steps, hooks=hooks, checkpoint_path=checkpoint_path
+    )
     try:
-        for chunk, (losses, tensors), global_step in device_loops(  # noqa: B007 (read after)
-            job,
-            input_fn,
-            mode,
-            steps=steps,
-            hooks=hooks,
-            checkpoint_path=checkpoint_path,
-            pad_probe=probe,
-        ):
+        for chunk, (losses, tensors), global_step in loops:  # noqa: B007 (read after)
             mask = layout.count_once(chunk.host_mask)
             masked = bool(job.model.noted(mode, "padding_mask", False))
             if pad_losses is None and eval_loss.needs_pad_losses(
                 mask, job.num_replicas, masked=masked
             ):  # a plain mean() over a partly padded batch: once, the padding rows' loss
-                pad_losses = probe[0](chunk)[0][0]
+                pad_losses = loops.padding_losses(chunk)
             loss_sum += eval_loss.real_loss_sum(
                 losses, mask, job.num_replicas, None if masked else pad_losses
             )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 from typing import NamedTuple
 
@@ -47,18 +48,28 @@ class Job:
         return os.path.join(self.model_dir, "eval" if not name else f"eval_{name}")
 
 
+class EndReason(enum.StrEnum):
+    """Why a ``train`` call ended (a ``str``: ``reason == "hook"`` works too)."""
+
+    TARGET = "target"  # max_steps, steps or a hook's planned last step reached
+    HOOK = "hook"  # a hook requested a stop (e.g. early stopping)
+    LISTENER = "listener"  # a CheckpointSaverListener's after_save returned True
+    INPUT_END = "input_end"  # the input ended before the target (or there was none)
+    SIGNAL = "signal"  # SIGTERM or Ctrl-C (train raises once the checkpoint is committed)
+    ALREADY_DONE = "already_done"  # nothing to do: the target was reached before the call
+
+
 class TrainOutcome(NamedTuple):
     """How a ``train`` call ended.
 
     Attributes:
       step: the global step reached (and checkpointed).
-      stopped_by_hook: a hook asked to stop (e.g. early stopping).
-      trained: whether any step ran (False when max_steps was already reached or the input
-        was exhausted before the first step).
-      input_ended: training ended because the input did (not at its target or a stop).
+      reason: why it ended (``EndReason``).
+
+    Example:
+      >>> TrainOutcome(500, EndReason.TARGET).reason == "target"
+      True
     """
 
     step: int
-    stopped_by_hook: bool = False
-    trained: bool = True
-    input_ended: bool = False
+    reason: EndReason

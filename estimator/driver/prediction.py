@@ -6,11 +6,29 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import EstimatorValueError
+from ..errors import EstimatorTypeError, EstimatorValueError
 from ..parallel import multihost
 from ..spec import ModeKeys
-from .evaluation import device_loops
+from .evaluation import DeviceLoops
 from .job import Job
+
+
+def checked_predict_keys(predict_keys) -> list[str] | None:
+    """``predict``'s ``predict_keys`` as a list of names (one str is one name).
+
+    Raises:
+      EstimatorTypeError: neither a str nor a list or tuple of str.
+    """
+    if isinstance(predict_keys, str):
+        return [predict_keys]
+    if predict_keys is not None and (
+        not isinstance(predict_keys, (list, tuple))
+        or not all(isinstance(k, str) for k in predict_keys)
+    ):
+        raise EstimatorTypeError(
+            f"predict_keys must be a str or a list of str, got {predict_keys!r}"
+        )
+    return predict_keys
 
 
 def _select(predictions, keys: Sequence[str] | None):
@@ -46,7 +64,7 @@ def run_predict_loops(
             return multihost.local_to_host(outs, job.mesh)
 
     layout = job.feeder.layout(ModeKeys.PREDICT)
-    for chunk, preds, _ in device_loops(
+    for chunk, preds, _ in DeviceLoops(
         job,
         input_fn,
         ModeKeys.PREDICT,

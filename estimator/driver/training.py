@@ -1,5 +1,10 @@
 """The training loop: short and linear; logging, summaries and checkpoints attach around it.
 
+One ``train`` call is a ``TrainRun`` in named phases: open the input (positioned where the
+checkpoint left it), restore the state, assemble the hooks, loop, finish. One ``StepBudget``
+(``budget.py``) says where it ends: the input schedule stages the loops it allows and the loop
+stops when it is reached; ``TrainOutcome.reason`` says why it ended, in one log line.
+
 One iteration (a loop of ``iterations_per_loop`` steps): hooks' before_run -> the loop's
 compiled calls back to back (one, or several when its input exceeds
 ``max_staged_input_bytes``; ``dispatch``) -> its per-step outputs on the host -> host_call
@@ -21,23 +26,24 @@ import hooks as hooks_lib
 
 from .. import summary
 from ..config import RunConfig
-from ..data.inputs import Chunk, Prefetcher
+from ..data.inputs import Chunk
 from ..engine import precision
 from ..engine.loops import TrainState
-from ..engine.state import fresh_train_state, train_state_parts
+from ..engine.state import fresh_train_state
 from ..errors import EstimatorTypeError, EstimatorValueError
-from ..io.checkpoint import Checkpoints
-from ..io.input_position import ROWS_KEY, resume_pulls
+from ..io.input_position import resume_pulls
 from ..io.lock import TrainerLock
 from ..io.restore import restore_train_state
-from ..io.store import LastState, StateStore
+from ..io.store import LastState
 from ..parallel import multihost
 from ..scaffold import IN_MODEL_FN, fresh_init_fn
 from ..spec import ModeKeys
 from . import dispatch, nonfinite, preemption, progress
+from .budget import StepBudget, log_end, planned_last_steps
+from .checkpointer import Checkpointer, save_then_drain, wait_committed
 from .hook_runner import HookRunner, Session
 from .host import HOST_CALL_QUEUE_LOOPS, HostWorker, run_host_calls
-from .job import Job, TrainOutcome
+from .job import EndReason, Job, TrainOutcome
 from .preemption import StopSignals
 from .train_hooks import LossLoggingHook, NanLossHook, TrainSummaryHook
 
@@ -52,91 +58,349 @@ class _Position:
     input_state: Any = None
 
 
-@dataclasses.dataclass
-class _Run:
-    """The mutable state of one ``train`` call, owned by the loop."""
+def run_train_loops(
+    job: Job, input_fn, *, hooks, steps, max_steps, warm_start_from=None, saving_listeners=()
+) -> TrainOutcome:
+    """Trains until ``steps`` more, ``max_steps`` in all, a hook's stop or the input's end;
+    ``saving_listeners`` (``CheckpointSaverListener``) are called around every checkpoint.
 
-    state: TrainState
-    position: _Position
+    Raises:
+      ModelDirInUseError: another trainer holds the model_dir (see ``io/lock.py``).
+    """
+    run = TrainRun(
+        job,
+        input_fn,
+        hooks=hooks,
+        steps=steps,
+        max_steps=max_steps,
+        warm_start_from=warm_start_from,
+        saving_listeners=saving_listeners,
+    )
+    return run.run()
 
 
-class _Saver:
-    """Writes checkpoints at the configured cadence and at the end; never twice a step.
+class TrainRun:
+    """One ``train`` call: open input -> restore -> hooks -> loop -> finish.
 
-    ``listeners`` (``CheckpointSaverListener``s, e.g. train_and_evaluate's evaluation) are
-    called around each save; while their ``after_save`` runs, the store's last state is the
-    one just saved, so an evaluation reads it without reloading. One returning True asks
-    training to stop (``stop_requested``).
+    It owns the call's mutable state: the ``TrainState`` (donated to each loop and replaced
+    by its result), the input position, the step budget and the step reached.
     """
 
     def __init__(
-        self,
-        config: RunConfig,
-        ckpts: Checkpoints,
-        run: _Run,
-        store: StateStore,
-        listeners=(),
-        *,
-        pulls_per_step: int = 1,
-        rows_per_pull: int | None = None,
+        self, job: Job, input_fn, *, hooks, steps, max_steps, warm_start_from, saving_listeners
     ):
-        self.ckpts, self.run, self.store = ckpts, run, store
-        self.listeners, self.session = list(listeners), None
-        self.stop_requested = False
-        self.pulls_per_step, self.rows_per_pull = pulls_per_step, rows_per_pull
-        self.every_steps = config.save_checkpoints_steps
-        self.every_secs = config.checkpoint_every_secs
-        self.last_step = None
-        self.last_time = time.monotonic()
+        self.job, self.input_fn = job, input_fn
+        self.user_hooks = list(hooks or ())
+        self.steps, self.max_steps = steps, max_steps
+        self.warm_start_from = warm_start_from
+        self.listeners = _checked_listeners(saving_listeners)  # checked before any work
+        self.state: TrainState | None = None
+        self.position = _Position()
+        self.budget: StepBudget | None = None
+        self.step = 0
+        self.losses: np.ndarray | None = None  # the last loop's
+        self.pipe = self.prefetch = None
+        self.first: Chunk | None = None  # handed to the loop once, then not held
+        self.model_batch = 0  # rows model_fn sees per replica
+        self.startup: progress.Startup | None = None
+        self.writer = self.saver = self.session = None  # made with the hooks
 
-    def save(self, step: int | None = None) -> str | None:
-        state = self.run.state
-        step = int(jax.device_get(state.step)) if step is None else step
-        if step == self.last_step:
-            return self.ckpts.path(step)
-        for listener in self.listeners:
-            listener.before_save(self.session, step)
-        variables, train = train_state_parts(state)
-        meta = self.meta(step)
-        self.ckpts.save(step, variables, train, meta)
-        log.info("Saving checkpoints for %d into %s.", step, self.ckpts.path(step))
-        self.last_step, self.last_time = step, time.monotonic()
-        if self.listeners:
-            self._after_save(LastState(step, state, meta))
-        return self.ckpts.path(step)
-
-    def _after_save(self, saved: LastState) -> None:
-        self.store.remember(saved)
+    # ------------------------------------------------------------------ the call
+    def run(self) -> TrainOutcome:
+        called = time.monotonic()
+        lock = TrainerLock(self.job.model_dir)  # one trainer per model_dir; process 0 holds it
+        multihost.run_on_process_0(lock.acquire, f"locking model_dir {self.job.model_dir}")
+        self.startup = progress.Startup(since=called)
         try:
-            for listener in self.listeners:
-                if listener.after_save(self.session, saved.step):
-                    self.stop_requested = True
+            return self._run_locked()
         finally:
-            self.store.forget()  # the state goes on to be donated to the next loop
+            self.startup.close()
+            lock.release()
 
-    def meta(self, step: int) -> dict:
-        """The JSON meta of a checkpoint: the step and the input position after it."""
-        position = self.run.position
-        out = {"global_step": step, "input_pulls": position.input_pulls}
-        # Pulls beyond the steps' own: short batches skipped (bounds a resume's fast-forward).
-        out["skipped_pulls"] = max(position.input_pulls - step * self.pulls_per_step, 0)
-        if self.rows_per_pull:  # a resume with another batch size counts in examples
-            out[ROWS_KEY] = self.rows_per_pull
-        if multihost.is_multiprocess():  # one iterator per process: keep every position
-            states = multihost.gather_objects(position.input_state)
-            if any(s is not None for s in states):
-                out["input_states"] = states
-        elif position.input_state is not None:
-            out["input_state"] = position.input_state
-        return out
+    def _run_locked(self) -> TrainOutcome:
+        latest = self._latest()
+        start = latest[0] if latest else 0
+        self.budget = self._budget(start)
+        if self.budget.reached(start):
+            outcome = TrainOutcome(start, EndReason.ALREADY_DONE)
+            log_end(outcome, self.budget)
+            return outcome
+        with StopSignals() as signals:
+            try:
+                outcome = self._train(latest, signals)
+            finally:
+                self._close_input()
+        if signals.requested:  # SIGTERM or Ctrl-C: the checkpoint of the step is committed
+            outcome = outcome._replace(reason=EndReason.SIGNAL)
+        log_end(outcome, self.budget, signal=signals.reason)
+        if signals.requested:
+            ckpts = self.job.store.writer()
+            path = ckpts.path(outcome.step) if outcome.step in ckpts.steps() else None
+            raise signals.stop_error(outcome.step, path).with_traceback(None) from None
+        return outcome
 
-    def maybe_save(self, step: int) -> None:
-        due_steps = self.every_steps and step - (self.last_step or 0) >= self.every_steps
-        due_secs = self.every_secs and time.monotonic() - self.last_time >= self.every_secs
-        if due_secs:  # clocks differ between processes: save when any process is due
-            (due_secs,) = multihost.any_of(due_secs)
-        if due_steps or due_secs:
-            self.save(step)
+    def _train(self, latest, signals: StopSignals) -> TrainOutcome:
+        meta = latest[1] if latest else {}
+        if not (self.open_input(meta) and self.restore(meta)):
+            reason = EndReason.SIGNAL if signals.requested else EndReason.INPUT_END
+            return TrainOutcome(latest[0] if latest else 0, reason)
+        _check_loss_dtype(self.job.programs.spec(ModeKeys.TRAIN))
+        runner = self.hooks()
+        worker = HostWorker(max_queued=HOST_CALL_QUEUE_LOOPS)  # the device waits for a slow host
+        try:
+            reason = self.loop(runner, worker, signals)
+            self.finish(runner, worker, signals)
+        finally:
+            self._close_input()
+            worker.close(timeout=0.5 if signals.requested else 30)
+            wait_committed(self.saver.ckpts)
+            # Closing (not flush) waits for tensorboardX's queue: summaries are on disk.
+            summary.close(self.job.model_dir)
+            summary.close_file_writers()  # those host_call opened with create_file_writer
+        return TrainOutcome(self.step, reason)
+
+    def _latest(self):
+        """The newest checkpoint that looks intact, or verified when the call will skip."""
+        ckpts = self.job.store.writer()
+        latest = ckpts.latest_meta()
+        if latest and self._budget(latest[0]).reached(latest[0]):
+            latest = ckpts.latest_verified()  # about to skip: its arrays must read back
+        return latest
+
+    def _budget(self, start: int) -> StepBudget:
+        return StepBudget.of(
+            start,
+            steps=self.steps,
+            max_steps=self.max_steps,
+            hook_targets=planned_last_steps(self.user_hooks, start),
+            iterations_per_loop=self.job.config.tpu_config.iterations_per_loop,
+        )
+
+    # ------------------------------------------------------------------ phases
+    def open_input(self, meta: dict) -> bool:
+        """Opens the input positioned after the batches ``meta`` says were consumed and reads
+        its first chunk; False when the input ended (or a stop came) while skipping them.
+
+        An iterator with ``get_state``/``set_state`` is restored to the saved state; otherwise
+        a deterministic input_fn is fast-forwarded by the saved number of pulls. The step
+        budget is set from the step ``meta`` starts at.
+        """
+        job = self.job
+        resume = job.config.resume_input_position
+        pipe = job.feeder.pipeline(self.input_fn, ModeKeys.TRAIN, pad=False)
+        skip = 0
+        saved = meta.get("input_state")
+        if meta.get("input_states") is not None:  # a many-process run: this process's position
+            saved = meta["input_states"][jax.process_index()]
+        if resume and meta:  # bounded: a crafted count must not fast-forward for ever
+            path = job.store.writer().path(int(meta.get("global_step", 0)))
+            skip = resume_pulls(
+                meta,
+                pulls_per_step=pipe.pulls_per_step,
+                rows_per_pull=pipe.rows_per_pull,
+                path=path,
+                stateful=pipe.stateful and saved is not None,
+            )
+        if resume and pipe.stateful and saved is not None:
+            pipe.set_state(saved)
+            skip = 0
+        begin = int(meta.get("global_step", 0))
+        self.budget = self._budget(begin)
+        pipe.global_step = begin
+        signals = preemption.active()  # a stop request ends a wait for input
+        interrupt = None if signals is None else signals.event
+        self.pipe = pipe
+        policy = job.feeder.layout(ModeKeys.TRAIN).loop_policy(unrolled=True)  # never merged
+        self.prefetch = job.feeder.prefetch(
+            pipe, self.budget.next_loop, policy, skip=skip, interrupt=interrupt
+        )
+        self.first = next(self.prefetch, None)
+        if self.first is not None:
+            return True
+        self._close_input()
+        if interrupt is not None and interrupt.is_set():
+            return False
+        if skip:
+            log.warning("Input ended: nothing left to train after %d consumed batches.", skip)
+            return False
+        raise EstimatorValueError("input_fn produced no training batches")
+
+    def restore(self, meta: dict) -> bool:
+        """The state: restored from the newest intact checkpoint (the input reopened where an
+        older one had to be restored, since ``meta`` was not it), or fresh with the scaffold
+        or warm start. False when the reopened input ended while skipping."""
+        job, first = self.job, self.first
+        self.model_batch = jax.tree.leaves(first.features)[0].shape[1] // job.num_replicas
+        job.model.check_labels(self.pipe.has_labels)
+        example = (first.features, first.labels)
+        restored = restore_train_state(job.programs, job.store, example, self.model_batch)
+        if restored is None:
+            self.state = fresh_train_state(job.programs, example, self.model_batch, self._init_fn)
+            return True
+        self.state, restored_meta = restored
+        if restored_meta.get("global_step") != meta.get("global_step"):
+            # The newest checkpoint was damaged and an older one restored: reposition.
+            self._close_input()
+            self.first = first = example = None
+            if not self.open_input(restored_meta):
+                return False
+        pulls = int(restored_meta.get("input_pulls", 0))
+        self.position = _Position(pulls, restored_meta.get("input_state"))
+        return True
+
+    def _init_fn(self):
+        """The fresh variables, once model_fn was traced (its scaffold_fn is known)."""
+        return fresh_init_fn(
+            self.job.programs.spec(ModeKeys.TRAIN),
+            self.warm_start_from,
+            in_model_fn=self.job.model.noted(ModeKeys.TRAIN, IN_MODEL_FN, ()),
+        )
+
+    def hooks(self) -> HookRunner:
+        """Every hook of the call, assembled here in the order they run: the start-up summary
+        (its line comes before the first loss line), the default hooks, model_fn's
+        ``training_hooks``, the user's, then the progress bar. Also makes the saver and the
+        session hooks see."""
+        job, cfg, state = self.job, self.job.config, self.state
+        self.step = step = int(jax.device_get(state.step))
+        layout = job.feeder.layout(ModeKeys.TRAIN)
+        global_batch = layout.global_rows or self.model_batch
+        first = progress.StartupSummaryHook(
+            job.mesh,
+            cfg,
+            self.startup,
+            global_batch=global_batch,
+            replica_batch=self.model_batch,
+            params=state.params,
+            opt_state=state.opt_state,
+            start_step=step,
+            target=self.budget.target,
+            train_program=self._train_program(),
+        )
+        given = list(job.programs.spec(ModeKeys.TRAIN).training_hooks) + self.user_hooks
+        if progress.progress_enabled(cfg.progress_bar):
+            given.append(progress.ProgressBarHook(start=step, total=self.budget.target))
+        self.writer = summary.writer_for(job.model_dir)
+        defaults = _default_hooks(cfg, given, writer=self.writer, examples_per_step=global_batch)
+        ckpts = job.store.writer()
+        self.saver = Checkpointer(
+            cfg,
+            ckpts,
+            self,
+            job.store,
+            self.listeners,
+            pulls_per_step=layout.pulls_per_step,
+            rows_per_pull=layout.rows_per_pull,
+        )
+        self.saver.last_step = step if ckpts.steps() else None
+        self.session = Session(
+            mode=ModeKeys.TRAIN, model_dir=job.model_dir, global_step=step, save=self.saver.save
+        )
+        self.saver.session = self.session
+        return HookRunner([first, *defaults, *given], self.session, examples_per_step=global_batch)
+
+    def _train_program(self):
+        """() -> the compiled train loop of the first chunk's shapes (for the DEBUG memory
+        line; abstract shapes only, as the state is donated to the first loop)."""
+        if self.first is None or not log.isEnabledFor(logging.DEBUG):
+            return None
+
+        def abstract(x):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+
+        args = jax.tree.map(abstract, (self.state, self.first.features, self.first.labels))
+        programs, batch = self.job.programs, self.model_batch
+        return lambda: programs.train(batch).lower(*args).compile()
+
+    def loop(self, runner: HookRunner, worker: HostWorker, signals: StopSignals) -> EndReason:
+        """Runs loops until the budget is reached, a hook or listener stops, the input ends
+        or a signal comes; returns which."""
+        job, cfg = self.job, self.job.config
+        program = job.programs.train(self.model_batch)
+        state = self.state
+        names = nonfinite.state_leaf_names(state.params, state.state, state.opt_state)
+        runner.begin()
+        for listener in self.saver.listeners:
+            listener.begin()
+        runner.after_create_session()
+        first, self.first = self.first, None
+        if signals.requested and not multihost.is_multiprocess():
+            first = None  # stopped during start-up: save the state as it is
+        # A listener that evaluates (train_and_evaluate's) has its eval program compile meanwhile.
+        evals = [x.evaluation_steps for x in self.listeners if hasattr(x, "evaluation_steps")]
+        if first is not None and evals:
+            layout = job.feeder.layout(ModeKeys.EVAL)
+            job.programs.compile_eval_ahead(self.state, first, layout, steps=evals[0])
+        loops = dispatch.loops_of(self.prefetch, first) if first is not None else iter(())
+        del first  # the loop holds it until its call is dispatched
+        job.store.forget()  # the state is donated to the loop from here on
+        for loop_steps, calls in loops:
+            steps = np.arange(self.step + 1, self.step + loop_steps + 1)
+            runner.before_run(steps)
+            losses, host, finite, done = _run_calls(program, self, calls)
+            steps = steps[:done]  # fewer when the input ended inside the loop
+            nonfinite.check_finite(finite, losses, steps, names)  # before anything is saved
+            self.step += done
+            self.losses = losses
+            self.session.global_step = self.step
+            self._host_call(worker, host, steps, signals)
+            hook_stop = runner.after_run(_loop_values(cfg, self.state, losses, steps, host), steps)
+            multihost.check_worker(worker, "host_call")
+            self.saver.maybe_save(self.step)
+            reason = self._stop_reason(hook_stop, signals)
+            if reason is not None:
+                return reason
+        # The input ended (or a stop request ended a wait for it).
+        return EndReason.SIGNAL if signals.requested else EndReason.INPUT_END
+
+    def _host_call(self, worker: HostWorker, host, steps: np.ndarray, signals) -> None:
+        """The loop's host_call on the host thread, once, on process 0."""
+        host_call = self.job.programs.spec(ModeKeys.TRAIN).host_call
+        if host_call is None or not multihost.is_process_0():
+            return
+        every_n = self.job.config.tpu_config.host_call_every_n_steps
+        worker.submit(
+            lambda f=host_call[0], h=host, s=steps, w=self.writer: run_host_calls(
+                f, h, s, every_n, w
+            ),
+            what=(int(steps[0]), int(steps[-1])),
+            interrupt=signals.event,
+        )
+
+    def _stop_reason(self, hook_stop: bool, signals: StopSignals) -> EndReason | None:
+        """Why to stop after this loop, agreed by every process (they all stop together)."""
+        hook, listener, signal = multihost.any_of(
+            hook_stop, self.saver.stop_requested, signals.requested
+        )
+        if signal:  # SIGTERM or Ctrl-C: checkpoint this step in finish, then stop
+            return EndReason.SIGNAL
+        if hook:
+            return EndReason.HOOK
+        if listener:
+            return EndReason.LISTENER
+        return EndReason.TARGET if self.budget.reached(self.step) else None
+
+    def finish(self, runner: HookRunner, worker: HostWorker, signals: StopSignals) -> None:
+        """Hooks' end, the final checkpoint and the listeners' end; on a stop request the
+        checkpoint first, with no evaluation or other listener work in the grace period."""
+        runner.end()
+        step = self.step
+        if signals.requested:
+            self.saver.listeners = []
+            save_then_drain(self.saver, worker, step)
+        else:
+            multihost.check_worker(worker, "host_call", join=True)
+            self.saver.save(step)
+            for listener in self.saver.listeners:
+                listener.end(self.session, step)
+        self.job.store.remember(LastState(step, self.state, self.saver.meta(step)))
+        if self.losses is not None:
+            log.info("Loss for final step: %.4g.", float(self.losses[-1]))
+
+    def _close_input(self) -> None:
+        if self.prefetch is not None:
+            self.prefetch.close()
+            self.prefetch = None
 
 
 def _default_hooks(config: RunConfig, given, *, writer, examples_per_step: int) -> list:
@@ -163,211 +427,20 @@ def _default_hooks(config: RunConfig, given, *, writer, examples_per_step: int) 
     return out
 
 
-def _open_input(job: Job, input_fn, meta: dict, target_fn):
-    """The training input positioned after the batches ``meta`` says were consumed, and its
-    first chunk; None when the input ended while skipping those batches.
-
-    An iterator with ``get_state``/``set_state`` is restored to the saved state; otherwise a
-    deterministic input_fn is fast-forwarded by the saved number of pulls.
-    """
-    resume = job.config.resume_input_position
-    pipe = job.feeder.pipeline(input_fn, ModeKeys.TRAIN, pad=False)
-    skip = 0
-    saved = meta.get("input_state")
-    if meta.get("input_states") is not None:  # a many-process run: this process's position
-        saved = meta["input_states"][jax.process_index()]
-    if resume and meta:  # bounded: a crafted count must not fast-forward for ever
-        path = job.store.writer().path(int(meta.get("global_step", 0)))
-        skip = resume_pulls(
-            meta,
-            pulls_per_step=pipe.pulls_per_step,
-            rows_per_pull=pipe.rows_per_pull,
-            path=path,
-            stateful=pipe.stateful and saved is not None,
-        )
-    if resume and pipe.stateful and saved is not None:
-        pipe.set_state(saved)
-        skip = 0
-    begin = int(meta.get("global_step", 0))
-    planned = [begin]
-    ipl = job.config.tpu_config.iterations_per_loop
-
-    def schedule() -> int:
-        target = target_fn(begin)
-        n = ipl if target is None else min(ipl, target - planned[0])
-        planned[0] += max(n, 0)
-        return n
-
-    pipe.global_step = begin
-    signals = preemption.active()  # a stop request ends a wait for input
-    interrupt = None if signals is None else signals.event
-    prefetch = job.feeder.prefetch(pipe, schedule, fill=False, skip=skip, interrupt=interrupt)
-    try:
-        first = next(prefetch)
-    except StopIteration:
-        prefetch.close()
-        if interrupt is not None and interrupt.is_set():
-            return None
-        if skip:
-            log.warning("Input ended: nothing left to train after %d consumed batches.", skip)
-            return None
-        raise EstimatorValueError("input_fn produced no training batches") from None
-    except BaseException:
-        prefetch.close()
-        raise
-    return pipe, prefetch, first
-
-
-@dataclasses.dataclass
-class _Started:
-    """A train call ready to loop: its state and input position, the first chunk (handed
-    to the loop once, so its input is not held until ``train`` returns)."""
-
-    run: _Run
-    first: Chunk | None
-    prefetch: Prefetcher
-    model_batch: int  # rows model_fn sees per replica
-
-
-def _start(job: Job, input_fn, latest, target_fn, warm_start_from) -> _Started | None:
-    """Builds the input stream and the state (restored, or fresh with scaffold/warm start)."""
-    meta = latest[1] if latest else {}
-    opened = _open_input(job, input_fn, meta, target_fn)
-    if opened is None:
-        return None
-    pipe, prefetch, first = opened
-    model_batch = jax.tree.leaves(first.features)[0].shape[1] // job.num_replicas
-    try:
-        job.model.check_labels(pipe.has_labels)
-        restored = restore_train_state(
-            job.programs, job.store, (first.features, first.labels), model_batch
-        )
-    except BaseException:
-        prefetch.close()
-        raise
-    if restored is None:
-
-        def init_fn():  # after model_fn was traced: its scaffold_fn is known
-            return fresh_init_fn(
-                job.programs.spec(ModeKeys.TRAIN),
-                warm_start_from,
-                in_model_fn=job.model.noted(ModeKeys.TRAIN, IN_MODEL_FN, ()),
-            )
-
-        state = fresh_train_state(
-            job.programs, (first.features, first.labels), model_batch, init_fn
-        )
-        return _Started(_Run(state, _Position()), first, prefetch, model_batch)
-    state, restored_meta = restored
-    if restored_meta.get("global_step") != meta.get("global_step"):
-        # The newest checkpoint was damaged and an older one restored: reposition the input.
-        prefetch.close()
-        opened = _open_input(job, input_fn, restored_meta, target_fn)
-        if opened is None:
-            return None
-        pipe, prefetch, first = opened
-    position = _Position(int(restored_meta.get("input_pulls", 0)), restored_meta.get("input_state"))
-    return _Started(_Run(state, position), first, prefetch, model_batch)
-
-
-def _planned_last_steps(user_hooks, start_step: int) -> list[int]:
-    """Steps the user's hooks plan to stop at (``planned_last_step``), so the final loop
-    lands on them exactly."""
-    out = []
-    for hook in user_hooks or ():
-        planned = getattr(hook, "planned_last_step", None)
-        step = planned(start_step) if callable(planned) else None
-        if step is not None:
-            out.append(int(step))
-    return out
-
-
-def run_train_loops(
-    job: Job, input_fn, *, hooks, steps, max_steps, warm_start_from=None, saving_listeners=()
-) -> TrainOutcome:
-    """Trains until ``steps`` more, ``max_steps`` in all, a hook's stop or the input's end;
-    ``saving_listeners`` (``CheckpointSaverListener``) are called around every checkpoint.
+def check_steps(steps, max_steps) -> None:
+    """``train``'s ``steps`` and ``max_steps``: at most one, a positive int.
 
     Raises:
-      ModelDirInUseError: another trainer holds the model_dir (see ``io/lock.py``).
+      EstimatorValueError: both given, or not positive.
+      EstimatorTypeError: not an int.
     """
-    called = time.monotonic()
-    saving_listeners = _checked_listeners(saving_listeners)
-    lock = TrainerLock(job.model_dir)  # one trainer per model_dir; process 0 holds it
-    multihost.run_on_process_0(lock.acquire, f"locking model_dir {job.model_dir}")
-    startup = progress.Startup(since=called)
-    try:
-        return _train_locked(
-            job,
-            input_fn,
-            hooks=hooks,
-            steps=steps,
-            max_steps=max_steps,
-            warm_start_from=warm_start_from,
-            saving_listeners=saving_listeners,
-            startup=startup,
-        )
-    finally:
-        startup.close()
-        lock.release()
-
-
-def _train_locked(
-    job: Job, input_fn, *, hooks, steps, max_steps, warm_start_from, saving_listeners, startup
-):
-    ckpts = job.store.writer()
-    latest = ckpts.latest_meta()  # the newest step that looks intact
-    if max_steps is not None and latest and latest[0] >= max_steps:
-        latest = ckpts.latest_verified()  # about to skip: its arrays must read back
-    start_step = latest[0] if latest else 0
-    if max_steps is not None and start_step >= max_steps:
-        log.info(
-            "Skipping training since max_steps has already saved (step %d; max_steps %d).",
-            start_step,
-            max_steps,
-        )
-        return TrainOutcome(start_step, trained=False)
-
-    def target_fn(begin: int) -> int | None:
-        """The step to stop at, for a run that starts (is restored) at ``begin``."""
-        targets = [
-            t for t in (max_steps, None if steps is None else begin + steps) if t is not None
-        ] + _planned_last_steps(hooks, begin)
-        return min(targets) if targets else None
-
-    with StopSignals() as signals:
-        started = _start(job, input_fn, latest, target_fn, warm_start_from)
-        if started is None and not signals.requested:
-            return TrainOutcome(start_step, trained=False)
-        outcome = (
-            TrainOutcome(start_step, trained=False)
-            if started is None
-            else _run(job, started, hooks, target_fn, startup, saving_listeners)
-        )
-    if signals.requested:  # SIGTERM or Ctrl-C: the checkpoint of the step is committed
-        ckpts = job.store.writer()
-        path = ckpts.path(outcome.step) if outcome.step in ckpts.steps() else None
-        raise signals.stop_error(outcome.step, path).with_traceback(None) from None
-    if outcome.input_ended:
-        _log_input_end(outcome.step, steps=steps, max_steps=max_steps, target=target_fn(start_step))
-    return outcome
-
-
-def _log_input_end(step: int, *, steps, max_steps, target) -> None:
-    """Training ended because the input did: say where, and what was not reached."""
-    if target is None:
-        log.info("Input ended at global step %d.", step)
-    elif step < target and max_steps is not None and target == max_steps:
-        log.warning("Input ended at global step %d: max_steps = %d was not reached.", step, target)
-    elif step < target and steps is not None:
-        log.warning(
-            "Input ended at global step %d: steps = %d (to global step %d) was not reached.",
-            step,
-            steps,
-            target,
-        )
-    elif step < target:
-        log.warning("Input ended at global step %d, before the planned stop at %d.", step, target)
+    if steps is not None and max_steps is not None:
+        raise EstimatorValueError("Can not provide both steps and max_steps.")
+    for name, value in (("steps", steps), ("max_steps", max_steps)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise EstimatorTypeError(f"{name} must be an int, got {value!r}")
+        if value is not None and value <= 0:
+            raise EstimatorValueError(f"Must specify {name} > 0, given: {value}")
 
 
 def _checked_listeners(listeners) -> list:
@@ -396,48 +469,6 @@ def _check_loss_dtype(spec) -> None:
         )
 
 
-def _train_program(job: Job, started: _Started):
-    """() -> the compiled train loop of the first chunk's shapes (for the DEBUG memory line;
-    abstract shapes only, as the state is donated to the first loop)."""
-    if started.first is None or not log.isEnabledFor(logging.DEBUG):
-        return None
-
-    def abstract(x):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-
-    args = jax.tree.map(abstract, (started.run.state, started.first.features, started.first.labels))
-    return lambda: job.programs.train(started.model_batch).lower(*args).compile()
-
-
-def _run(job: Job, started: _Started, hooks, target_fn, startup, saving_listeners) -> TrainOutcome:
-    try:
-        _check_loss_dtype(job.programs.spec(ModeKeys.TRAIN))
-    except TypeError:
-        started.prefetch.close()
-        raise
-    step = int(jax.device_get(started.run.state.step))
-    global_batch = job.feeder.layout(ModeKeys.TRAIN).global_rows or started.model_batch
-    summary_hook = progress.StartupSummaryHook(
-        job.mesh,
-        job.config,
-        startup,
-        global_batch=global_batch,
-        replica_batch=started.model_batch,
-        params=started.run.state.params,
-        opt_state=started.run.state.opt_state,
-        start_step=step,
-        target=target_fn(step),
-        train_program=_train_program(job, started),
-    )
-    extra = []
-    if progress.progress_enabled(job.config.progress_bar):
-        extra.append(progress.ProgressBarHook(start=step, total=target_fn(step)))
-    # The start-up line comes first, before the first loop's loss line.
-    return _train(
-        job, started, list(hooks or ()) + extra, saving_listeners, first_hooks=[summary_hook]
-    )
-
-
 def _loop_values(config: RunConfig, state: TrainState, losses, steps, host) -> dict:
     """What hooks can fetch after a loop: per-step loss, global step and named host_call
     tensors (and the count of skipped non-finite steps when they are skipped)."""
@@ -452,136 +483,7 @@ def _loop_values(config: RunConfig, state: TrainState, losses, steps, host) -> d
     return values
 
 
-def _train(
-    job: Job, started: _Started, user_hooks, saving_listeners, *, first_hooks=()
-) -> TrainOutcome:
-    cfg, run, prefetch = job.config, started.run, started.prefetch
-    ckpts = job.store.writer()
-    writer = summary.writer_for(job.model_dir)
-    spec = job.programs.spec(ModeKeys.TRAIN)
-    saver = _Saver(
-        cfg,
-        ckpts,
-        run,
-        job.store,
-        saving_listeners,
-        pulls_per_step=job.feeder.layout(ModeKeys.TRAIN).pulls_per_step,
-        rows_per_pull=job.feeder.layout(ModeKeys.TRAIN).rows_per_pull,
-    )
-    step = int(jax.device_get(run.state.step))
-    saver.last_step = step if ckpts.steps() else None
-    global_batch = job.feeder.layout(ModeKeys.TRAIN).global_rows or started.model_batch
-    session = Session(
-        mode=ModeKeys.TRAIN, model_dir=job.model_dir, global_step=step, save=saver.save
-    )
-    saver.session = session
-    given = list(spec.training_hooks) + list(user_hooks or ())
-    defaults = _default_hooks(cfg, given, writer=writer, examples_per_step=global_batch)
-    all_hooks = list(first_hooks) + defaults + given
-    runner = HookRunner(all_hooks, session, examples_per_step=global_batch)
-    loop = job.programs.train(started.model_batch)
-    worker = HostWorker(max_queued=HOST_CALL_QUEUE_LOOPS)  # the device waits for a slow host
-    signals = preemption.active()
-    names = nonfinite.state_leaf_names(run.state.params, run.state.state, run.state.opt_state)
-    every_n = cfg.tpu_config.host_call_every_n_steps
-    runner.begin()
-    for listener in saver.listeners:
-        listener.begin()
-    runner.after_create_session()
-    first, losses, stopped, input_ended = started.first, None, False, False
-    started.first = None
-    if signals.requested and not multihost.is_multiprocess():
-        first = None  # stopped during start-up: save the state as it is
-    # A listener that evaluates (train_and_evaluate's) has its eval program compile meanwhile.
-    evals = [x.evaluation_steps for x in saver.listeners if hasattr(x, "evaluation_steps")]
-    if first is not None and evals:
-        layout = job.feeder.layout(ModeKeys.EVAL)
-        job.programs.compile_eval_ahead(run.state, first, layout, steps=evals[0])
-    loops = dispatch.loops_of(prefetch, first) if first is not None else iter(())
-    del first  # the loop holds it until its call is dispatched
-    job.store.forget()  # the state is donated to the loop from here on
-    try:
-        for loop_steps, calls in loops:
-            steps = np.arange(step + 1, step + loop_steps + 1)
-            runner.before_run(steps)
-            losses, host, finite, done = _run_calls(loop, run, calls)
-            steps = steps[:done]  # fewer when the input ended inside the loop
-            nonfinite.check_finite(finite, losses, steps, names)  # before anything is saved
-            step += done
-            session.global_step = step
-            host_call = spec.host_call
-            if host_call is not None and multihost.is_process_0():  # once, on process 0
-                worker.submit(
-                    lambda f=host_call[0], h=host, s=steps: run_host_calls(
-                        f, h, s, every_n, writer
-                    ),
-                    what=(int(steps[0]), int(steps[-1])),
-                    interrupt=signals.event,
-                )
-            stop = runner.after_run(_loop_values(cfg, run.state, losses, steps, host), steps)
-            multihost.check_worker(worker, "host_call")
-            saver.maybe_save(step)
-            stop, stopping = multihost.any_of(  # all stop together
-                stop or saver.stop_requested, signals.requested
-            )
-            if stop:
-                stopped = True
-                break
-            if stopping:  # SIGTERM or Ctrl-C: checkpoint this step below, then stop
-                break
-        else:  # the input ended (or a stop request ended a wait for it)
-            input_ended = not signals.requested
-        runner.end()
-        if signals.requested:  # no evaluation or other listener work in the grace period
-            saver.listeners = []
-            _save_then_drain(saver, ckpts, worker, step)
-        else:
-            multihost.check_worker(worker, "host_call", join=True)
-            saver.save(step)
-            for listener in saver.listeners:
-                listener.end(session, step)
-        job.store.remember(LastState(step, run.state, saver.meta(step)))
-        if losses is not None:
-            log.info("Loss for final step: %.4g.", float(losses[-1]))
-    finally:
-        prefetch.close()
-        worker.close(timeout=0.5 if signals.requested else 30)
-        _wait_committed(ckpts)
-        # Closing (not flush) waits for tensorboardX's queue: summaries are on disk on return.
-        summary.close(job.model_dir)
-        summary.close_file_writers()  # those host_call opened with create_file_writer
-    return TrainOutcome(step, stopped_by_hook=stopped, input_ended=input_ended)
-
-
-def _save_then_drain(saver: _Saver, ckpts: Checkpoints, worker: HostWorker, step: int) -> None:
-    """On a stop request: the checkpoint first (committed), then host work still queued gets
-    ``HOST_DRAIN_SECS``; what is left is skipped with a warning."""
-    saver.save(step)
-    ckpts.wait()
-    if not worker.drain(timeout=preemption.HOST_DRAIN_SECS):
-        skipped = [w for w in worker.cancel() if w is not None]
-        if skipped:
-            log.warning(
-                "Stopping: host_call skipped for steps %d-%d (%d loops still queued after %.0f s).",
-                skipped[0][0],
-                skipped[-1][1],
-                len(skipped),
-                preemption.HOST_DRAIN_SECS,
-            )
-    worker.check()
-
-
-def _wait_committed(ckpts: Checkpoints) -> None:
-    """Waits for a checkpoint write in flight, even when a second Ctrl-C lands in the wait
-    (an Orbax thread left running at exit prints tracebacks)."""
-    try:
-        ckpts.wait()
-    except KeyboardInterrupt:
-        ckpts.wait()
-        raise
-
-
-def _run_calls(loop, run: _Run, calls) -> tuple[np.ndarray, Any, np.ndarray, int]:
+def _run_calls(loop, run: TrainRun, calls) -> tuple[np.ndarray, Any, np.ndarray, int]:
     """Runs one loop's compiled calls back to back (``dispatch``); returns its per-step
     losses, host tensors and all-finite flags, fetched to the host (global rows on every
     process), and its number of steps. The input position advances with each call."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -82,6 +83,23 @@ def check_model_dir(model_dir: str) -> None:
             "(Orbax globs the path when it finishes a step). Use a directory name without "
             f"any of {' '.join(_GLOB_CHARACTERS)}."
         )
+
+
+def resolve_model_dir(model_dir: str | None, configured: str | None) -> str:
+    """The estimator's model_dir: the argument or ``RunConfig.model_dir`` (they must agree
+    when both are given), else a new temporary directory (with a warning); checked with
+    ``check_model_dir`` before anything is written there."""
+    if model_dir is not None and configured is not None:
+        if os.path.abspath(str(model_dir)) != os.path.abspath(configured):
+            raise EstimatorValueError(
+                f"model_dir={model_dir!r} differs from config.model_dir={configured!r}"
+            )
+    chosen = model_dir if model_dir is not None else configured
+    if chosen is None:
+        chosen = tempfile.mkdtemp(prefix="tpu_estimator_")
+        log.warning("Using temporary folder as model directory: %s", chosen)
+    check_model_dir(str(chosen))
+    return str(chosen)
 
 
 def checked_input_pulls(meta: dict, *, pulls_per_step: int, path: str) -> int:

@@ -1,0 +1,141 @@
+"""Training checkpoints: at the configured cadence, at the end, and first on a stop request."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Protocol
+
+import jax
+
+from ..config import RunConfig
+from ..engine.state import train_state_parts
+from ..io.checkpoint import Checkpoints
+from ..io.input_position import ROWS_KEY
+from ..io.store import LastState, StateStore
+from ..parallel import multihost
+from . import preemption
+from .host import HostWorker
+
+log = logging.getLogger("estimator")
+
+
+class Position(Protocol):
+    """Where the training input stands: batches consumed, and the iterator's own state."""
+
+    input_pulls: int
+    input_state: Any
+
+
+class Trained(Protocol):
+    """What the saver reads: the current training state and input position."""
+
+    state: Any
+    position: Position
+
+
+class Checkpointer:
+    """Writes checkpoints at the configured cadence and at the end; never twice a step.
+
+    ``listeners`` (``CheckpointSaverListener``s, e.g. train_and_evaluate's evaluation) are
+    called around each save; while their ``after_save`` runs, the store's last state is the
+    one just saved, so an evaluation reads it without reloading. One returning True asks
+    training to stop (``stop_requested``).
+    """
+
+    def __init__(
+        self,
+        config: RunConfig,
+        ckpts: Checkpoints,
+        run: Trained,
+        store: StateStore,
+        listeners=(),
+        *,
+        pulls_per_step: int = 1,
+        rows_per_pull: int | None = None,
+    ):
+        self.ckpts, self.run, self.store = ckpts, run, store
+        self.listeners, self.session = list(listeners), None
+        self.stop_requested = False
+        self.pulls_per_step, self.rows_per_pull = pulls_per_step, rows_per_pull
+        self.every_steps = config.save_checkpoints_steps
+        self.every_secs = config.checkpoint_every_secs
+        self.last_step = None
+        self.last_time = time.monotonic()
+
+    def save(self, step: int | None = None) -> str | None:
+        state = self.run.state
+        step = int(jax.device_get(state.step)) if step is None else step
+        if step == self.last_step:
+            return self.ckpts.path(step)
+        for listener in self.listeners:
+            listener.before_save(self.session, step)
+        variables, train = train_state_parts(state)
+        meta = self.meta(step)
+        self.ckpts.save(step, variables, train, meta)
+        log.info("Saving checkpoints for %d into %s.", step, self.ckpts.path(step))
+        self.last_step, self.last_time = step, time.monotonic()
+        if self.listeners:
+            self._after_save(LastState(step, state, meta))
+        return self.ckpts.path(step)
+
+    def _after_save(self, saved: LastState) -> None:
+        self.store.remember(saved)
+        try:
+            for listener in self.listeners:
+                if listener.after_save(self.session, saved.step):
+                    self.stop_requested = True
+        finally:
+            self.store.forget()  # the state goes on to be donated to the next loop
+
+    def meta(self, step: int) -> dict:
+        """The JSON meta of a checkpoint: the step and the input position after it."""
+        position = self.run.position
+        out = {"global_step": step, "input_pulls": position.input_pulls}
+        # Pulls beyond the steps' own: short batches skipped (bounds a resume's fast-forward).
+        out["skipped_pulls"] = max(position.input_pulls - step * self.pulls_per_step, 0)
+        if self.rows_per_pull:  # a resume with another batch size counts in examples
+            out[ROWS_KEY] = self.rows_per_pull
+        if multihost.is_multiprocess():  # one iterator per process: keep every position
+            states = multihost.gather_objects(position.input_state)
+            if any(s is not None for s in states):
+                out["input_states"] = states
+        elif position.input_state is not None:
+            out["input_state"] = position.input_state
+        return out
+
+    def maybe_save(self, step: int) -> None:
+        due_steps = self.every_steps and step - (self.last_step or 0) >= self.every_steps
+        due_secs = self.every_secs and time.monotonic() - self.last_time >= self.every_secs
+        if due_secs:  # clocks differ between processes: save when any process is due
+            (due_secs,) = multihost.any_of(due_secs)
+        if due_steps or due_secs:
+            self.save(step)
+
+
+def save_then_drain(saver: Checkpointer, worker: HostWorker, step: int) -> None:
+    """On a stop request: the checkpoint first (committed), then host work still queued gets
+    ``HOST_DRAIN_SECS``; what is left is skipped with a warning."""
+    saver.save(step)
+    saver.ckpts.wait()
+    if not worker.drain(timeout=preemption.HOST_DRAIN_SECS):
+        skipped = [w for w in worker.cancel() if w is not None]
+        if skipped:
+            log.warning(
+                "Stopping: host_call skipped for steps %d-%d (%d loops still queued after %.0f s).",
+                skipped[0][0],
+                skipped[-1][1],
+                len(skipped),
+                preemption.HOST_DRAIN_SECS,
+            )
+    worker.check()
+
+
+def wait_committed(ckpts: Checkpoints) -> None:
+    """Waits for a checkpoint write in flight, even when a second Ctrl-C lands in the wait
+    (an Orbax thread left running at exit prints tracebacks)."""
+    try:
+        ckpts.wait()
+    except KeyboardInterrupt:
+        ckpts.wait()
+        raise
