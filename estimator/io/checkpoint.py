@@ -399,6 +399,37 @@ class Checkpoints:
     def _saved_shapes(self, step: int, item: str) -> dict[str, tuple]:
         return _shapes(self._metadata(step, item), item)
 
+    def moving_average_shapes(self, step: int) -> dict[str, tuple]:
+        """``{"<var>/ExponentialMovingAverage": shape}`` of the step's moving averages (read
+        from the metadata of its optimizer state; see ``variables.moving_average_names``)."""
+        named = variables_lib.moving_average_names(self._metadata(step, "train"))
+        return {n: tuple(m.shape) for n, m in named.items()}
+
+    def moving_averages(self, step: int) -> dict[str, np.ndarray]:
+        """The step's moving averages as numpy arrays, named as ``moving_average_shapes``
+        (empty without an ``ExponentialMovingAverage`` in the train_op)."""
+        if not self.moving_average_shapes(step):
+            return {}
+        return variables_lib.moving_average_names(self._train_on_host(step))
+
+    def moving_average_for_eval(self, step: int) -> dict[str, np.ndarray] | None:
+        """``{param name: shadow}`` of an ``ExponentialMovingAverage(use_for_eval=True)``
+        saved in the step, or None (no moving average, or one not meant for evaluation)."""
+        if not self.moving_average_shapes(step):
+            return None
+        return variables_lib.moving_average_for_eval(self._train_on_host(step))
+
+    def _train_on_host(self, step: int) -> Any:
+        args = ocp.args.Composite(
+            train=ocp.args.StandardRestore(self._host_template(step, "train"))
+        )
+        try:
+            return self._manager.restore(step, args=args)["train"]
+        except Exception as e:  # noqa: BLE001 - Orbax raises many types; we name the step
+            raise CheckpointError(
+                f"checkpoint {self.path(step)}: the optimizer state could not be read ({_short(e)})"
+            ) from e
+
     def check_matches(self, step: int, *, variables: Any, train: Any = None) -> None:
         """Raises CheckpointMismatchError when the step holds another model's arrays."""
         problems = []
@@ -485,9 +516,11 @@ class Checkpoints:
 
     def named_values(self, step: int) -> dict[str, np.ndarray]:
         """Every saved variable of one step on the host, by its public name (the names
-        ``estimator.list_variables`` shows, ``global_step`` aside)."""
+        ``estimator.list_variables`` shows, ``global_step`` aside; moving averages included)."""
         out = self.restore(step)
-        return variables_lib.flatten(jax.device_get(dict(out["variables"])))
+        names = variables_lib.flatten(jax.device_get(dict(out["variables"])))
+        names.update(self.moving_averages(step))  # <var>/ExponentialMovingAverage
+        return names
 
     def restore_mapped(
         self, step: int, template: Any, sources: dict[str, str] | None = None
@@ -713,7 +746,8 @@ def read_variables(path: str) -> dict[str, Any]:
 
     ``path`` is a step directory or a model_dir (its newest readable checkpoint). ``params``
     are named by module path (``dense1/kernel``); other collections keep their collection
-    name in front (``batch_stats/BatchNorm_0/mean``); ``global_step`` is the step.
+    name in front (``batch_stats/BatchNorm_0/mean``); an ``ExponentialMovingAverage``'s
+    shadows are ``dense1/kernel/ExponentialMovingAverage``; ``global_step`` is the step.
 
     Raises:
       NoCheckpointError: there is no checkpoint at ``path``.
