@@ -34,12 +34,12 @@ from ..io.store import LastState, StateStore
 from ..parallel import multihost
 from ..scaffold import IN_MODEL_FN, fresh_init_fn
 from ..spec import ModeKeys
-from . import dispatch, nonfinite, preemption, progress
+from . import dispatch, hparams, nonfinite, preemption, progress
 from .hook_runner import HookRunner, Session
 from .host import HOST_CALL_QUEUE_LOOPS, HostWorker, run_host_calls
 from .job import Job, TrainOutcome
 from .preemption import StopSignals
-from .train_hooks import LossLoggingHook, NanLossHook, TrainSummaryHook
+from .train_hooks import HyperparamSummaryHook, LossLoggingHook, NanLossHook, TrainSummaryHook
 
 log = logging.getLogger("estimator")
 
@@ -139,8 +139,11 @@ class _Saver:
             self.save(step)
 
 
-def _default_hooks(config: RunConfig, given, *, writer, examples_per_step: int) -> list:
-    """The training summaries and the loss log line, NanTensorHook (unless non-finite steps
+def _default_hooks(
+    config: RunConfig, given, *, writer, examples_per_step: int, opt_state=lambda: None
+) -> list:
+    """The training summaries (loss, speed, injected hyperparameters of the train_op, read
+    through ``opt_state()``) and the loss log line, NanTensorHook (unless non-finite steps
     are skipped, or the user passed their own NanTensorHook, e.g. ``fail_on_nan_loss=False``)
     and the step counter."""
     every = config.log_step_count_steps or 0
@@ -151,7 +154,8 @@ def _default_hooks(config: RunConfig, given, *, writer, examples_per_step: int) 
             examples_per_step=examples_per_step,
             nonfinite=precision.skips_nonfinite(config),
             loss_scale=precision.uses_loss_scale(config.tpu_config.compute_dtype),
-        )
+        ),
+        HyperparamSummaryHook(writer, every=config.save_summary_steps, opt_state=opt_state),
     ]
     if every:
         out.append(LossLoggingHook(every))
@@ -425,6 +429,7 @@ def _run(job: Job, started: _Started, hooks, target_fn, startup, saving_listener
         replica_batch=started.model_batch,
         params=started.run.state.params,
         opt_state=started.run.state.opt_state,
+        state=started.run.state.state,
         start_step=step,
         target=target_fn(step),
         train_program=_train_program(job, started),
@@ -476,7 +481,15 @@ def _train(
     )
     saver.session = session
     given = list(spec.training_hooks) + list(user_hooks or ())
-    defaults = _default_hooks(cfg, given, writer=writer, examples_per_step=global_batch)
+    defaults = _default_hooks(
+        cfg,
+        given,
+        writer=writer,
+        examples_per_step=global_batch,
+        opt_state=lambda: run.state.opt_state,  # after each loop, before the next one
+    )
+    if step == 0:  # a run starting from scratch: its params in TensorBoard's HPARAMS tab
+        hparams.write_session_start(writer, job.model.params)
     all_hooks = list(first_hooks) + defaults + given
     runner = HookRunner(all_hooks, session, examples_per_step=global_batch)
     loop = job.programs.train(started.model_batch)
