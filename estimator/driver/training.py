@@ -488,7 +488,7 @@ def _train(
         examples_per_step=global_batch,
         opt_state=lambda: run.state.opt_state,  # after each loop, before the next one
     )
-    if step == 0:  # a run starting from scratch: its params in TensorBoard's HPARAMS tab
+    if step == 0 and cfg.save_summary_steps:  # from scratch: params in the HPARAMS tab
         hparams.write_session_start(writer, job.model.params)
     all_hooks = list(first_hooks) + defaults + given
     runner = HookRunner(all_hooks, session, examples_per_step=global_batch)

@@ -37,7 +37,7 @@ def test_a_sweep_compares_in_the_hparams_tab(tmp_path):
     for lr in (0.05, 0.5):
         run = f"lr{lr}"
         params = {"lr": lr, "hidden": 8, "optimizer": "sgd", "batch_norm": False, "tags": ["x"]}
-        est = h.make_estimator(tmp_path / run, params=params, ipl=2)
+        est = h.make_estimator(tmp_path / run, params=params, ipl=2, save_summary_steps=100)
         est.train(h.train_input_fn(x, y), max_steps=2)
         est.train(h.train_input_fn(x, y), max_steps=4)  # a second call: no second session
         results[run] = est.evaluate(h.eval_input_fn(x, y))
@@ -58,3 +58,10 @@ def test_a_sweep_compares_in_the_hparams_tab(tmp_path):
     starts = mux.PluginRunToTagToContent("hparams")
     assert sorted(starts) == ["lr0.05", "lr0.5"]  # model_dir only, never eval/
     assert len(mux.Tensors("lr0.5", hparams.SESSION_START_TAG)) == 1
+
+
+def test_no_session_when_summaries_are_off(tmp_path):
+    x, y = h.make_data(n=32)
+    est = h.make_estimator(tmp_path, params={"lr": 0.1}, ipl=2, save_summary_steps=0)
+    est.train(h.train_input_fn(x, y), max_steps=2)
+    assert tb_reader.multiplexer(tmp_path).PluginRunToTagToContent("hparams") == {}
