@@ -150,6 +150,33 @@ def _shapes(tree: Any, item: str) -> dict[str, tuple]:
     }
 
 
+def _moving_average_template(saved: Any) -> Any:
+    """Host arrays shaped like the moving-average parts of a saved ``train`` tree (the
+    ``ExponentialMovingAverage`` and ``use_for_eval`` entries, in their dicts), for a
+    partial restore; None when one of them sits inside a sequence (no partial template)."""
+    keep = (variables_lib.MOVING_AVERAGE, variables_lib.EVAL_FLAG)
+
+    def prune(node: Any) -> Any:
+        if isinstance(node, dict):
+            out = {}
+            for key, value in node.items():
+                if key in keep:
+                    out[key] = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), value)
+                else:
+                    sub = prune(value)
+                    if sub:
+                        out[key] = sub
+            return out
+        if isinstance(node, (list, tuple)) and any(prune(v) for v in node):
+            raise LookupError
+        return {}
+
+    try:
+        return prune(saved)
+    except LookupError:
+        return None
+
+
 def describe_mismatch(saved: dict[str, tuple], wanted: dict[str, tuple], item: str) -> list[str]:
     """Every difference between a checkpoint's arrays and the model's, one line each."""
     out = []
@@ -408,26 +435,42 @@ class Checkpoints:
     def moving_averages(self, step: int) -> dict[str, np.ndarray]:
         """The step's moving averages as numpy arrays, named as ``moving_average_shapes``
         (empty without an ``ExponentialMovingAverage`` in the train_op)."""
-        if not self.moving_average_shapes(step):
-            return {}
-        return variables_lib.moving_average_names(self._train_on_host(step))
+        part = self._moving_average_part(step)
+        return {} if part is None else variables_lib.moving_average_names(part)
 
     def moving_average_for_eval(self, step: int) -> dict[str, np.ndarray] | None:
         """``{param name: shadow}`` of an ``ExponentialMovingAverage(use_for_eval=True)``
         saved in the step, or None (no moving average, or one not meant for evaluation)."""
-        if not self.moving_average_shapes(step):
-            return None
-        return variables_lib.moving_average_for_eval(self._train_on_host(step))
+        part = self._moving_average_part(step)
+        return None if part is None else variables_lib.moving_average_for_eval(part)
 
-    def _train_on_host(self, step: int) -> Any:
-        args = ocp.args.Composite(
-            train=ocp.args.StandardRestore(self._host_template(step, "train"))
-        )
+    def _moving_average_part(self, step: int) -> Any:
+        """The moving averages (and their flags) of the step's optimizer state as numpy,
+        read without the rest of it where the tree allows; None when there are none."""
+        saved = self._metadata(step, "train")
+        if not variables_lib.moving_average_names(saved):
+            return None
         try:
-            return self._manager.restore(step, args=args)["train"]
+            template = _moving_average_template(saved)
+            if template is None:  # inside a sequence (a chain): read the whole item
+                args = ocp.args.Composite(
+                    train=ocp.args.StandardRestore(self._host_template(step, "train"))
+                )
+                return self._manager.restore(step, args=args)["train"]
+            handler = ocp.PyTreeCheckpointHandler()
+            try:
+                restore_args = jax.tree.map(
+                    lambda _: ocp.RestoreArgs(restore_type=np.ndarray), template
+                )
+                args = ocp.args.PyTreeRestore(
+                    template, restore_args=restore_args, partial_restore=True
+                )
+                return handler.restore(epath.Path(self.path(step)) / "train", args=args)
+            finally:
+                handler.close()
         except Exception as e:  # noqa: BLE001 - Orbax raises many types; we name the step
             raise CheckpointError(
-                f"checkpoint {self.path(step)}: the optimizer state could not be read ({_short(e)})"
+                f"checkpoint {self.path(step)}: its moving averages could not be read ({_short(e)})"
             ) from e
 
     def check_matches(self, step: int, *, variables: Any, train: Any = None) -> None:

@@ -24,7 +24,7 @@ from ..errors import EstimatorTypeError, EstimatorValueError
 PARAMS = "params"
 #: The shadow of ``ExponentialMovingAverage`` in the optimizer state, and its name suffix.
 MOVING_AVERAGE = "ExponentialMovingAverage"
-_EVAL_FLAG = "use_for_eval"
+EVAL_FLAG = "use_for_eval"
 
 
 def key_name(key: Any) -> str:
@@ -114,7 +114,7 @@ def moving_average_for_eval(train: Any) -> dict[str, Any] | None:
     in ``train``, or None when there is none or its flag is off. ``train`` holds arrays."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(train)[0]:
         keys = _keys(path)
-        if keys and keys[-1] == _EVAL_FLAG and int(jax.device_get(leaf)):
+        if keys and keys[-1] == EVAL_FLAG and int(jax.device_get(leaf)):
             at = len(keys) - 1
             shadow = {}
             for p, x in jax.tree_util.tree_flatten_with_path(train)[0]:

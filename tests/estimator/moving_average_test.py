@@ -114,14 +114,16 @@ def test_variables_to_restore_maps_tf_names():
 
 
 def test_decay_zero_evaluates_as_the_raw_weights(tmp_path):
-    plain = _est(tmp_path, "plain", lambda: optax.sgd(0.5))
+    # Last in a chain: the average's state sits inside a tuple of the optimizer state.
+    plain = _est(tmp_path, "plain", lambda: optax.chain(optax.clip(0.1), optax.sgd(0.5)))
     ema = estimator.ExponentialMovingAverage(0.0, use_for_eval=True)
-    avg = _est(tmp_path, "avg", lambda: ema.apply(optax.sgd(0.5)))
+    avg = _est(tmp_path, "avg", lambda: optax.chain(optax.clip(0.1), ema.apply(optax.sgd(0.5))))
     _train(plain, 4), _train(avg, 4)
     raw = _raw(avg)
     assert all(np.array_equal(raw[n], _raw(plain)[n]) for n in NAMES)  # EMA changes no update
     assert all(np.array_equal(_shadow(avg)[n], raw[n]) for n in NAMES)
     assert _evaluate(avg) == _evaluate(plain)
+    assert _evaluate(_est(tmp_path, "avg", lambda: None)) == _evaluate(plain)  # from disk
 
 
 def test_decay_one_evaluates_predicts_and_exports_the_initial_weights(tmp_path, initial):
