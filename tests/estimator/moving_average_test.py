@@ -221,3 +221,26 @@ def test_eight_devices_equal_one_and_zero_shards_the_shadow(tmp_path):
     assert kernel.addressable_shards[0].data.shape == (6, 256 // 8)
     mu = state.inner_state[0].mu["hidden"]["kernel"]
     assert kernel.sharding == mu.sharding  # split like the optimizer's slots
+
+
+def test_ported_saver_route_reads_the_shadow(tmp_path, initial):
+    """TF's form: the EVAL model_fn restores ``variables_to_restore()`` through a Saver."""
+
+    def model_fn(features, labels, mode, params):
+        hdn = nn.Dense(16, name="hidden")(features["x"])
+        logits = nn.Dense(3, name="out")(nn.relu(hdn))
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        ema = estimator.ExponentialMovingAverage(1.0)
+        if mode == estimator.ModeKeys.TRAIN:
+            return estimator.TPUEstimatorSpec(mode, loss=loss, train_op=ema.apply(optax.sgd(0.5)))
+        restore = ema.variables_to_restore()
+        return estimator.TPUEstimatorSpec(
+            mode,
+            loss=loss,
+            eval_metrics=(h.metric_fn, [labels, logits]),
+            scaffold_fn=lambda: estimator.Scaffold(saver=estimator.Saver(restore)),
+        )
+
+    est = h.make_estimator(tmp_path / "ported", model_fn, ipl=2)
+    _train(est, 4)
+    assert _evaluate(h.make_estimator(tmp_path / "ported", model_fn, ipl=2)) == _evaluate(initial)
