@@ -46,6 +46,7 @@ _EXPORTS = {
     ".io.inference": ("rewrite_for_inference", "validate_inference_rewrite_for_variables"),
     ".io.lock": ("ModelDirInUseError",),
     ".io.variables": ("name_mask", "named_variables"),
+    ".moving_average": ("ExponentialMovingAverage",),
     ".parallel.outside_compilation": ("outside_compilation",),
     ".parallel.replica_context": ("ReduceOp", "get_replica_context"),
     ".saver": ("Saver",),
@@ -144,6 +145,7 @@ if TYPE_CHECKING:  # _EXPORTS spelled out for type checkers (``X as X``: re-expo
     from .io.lock import ModelDirInUseError as ModelDirInUseError
     from .io.variables import name_mask as name_mask
     from .io.variables import named_variables as named_variables
+    from .moving_average import ExponentialMovingAverage as ExponentialMovingAverage
     from .parallel.outside_compilation import outside_compilation as outside_compilation
     from .parallel.replica_context import ReduceOp as ReduceOp
     from .parallel.replica_context import get_replica_context as get_replica_context

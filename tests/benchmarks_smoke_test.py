@@ -57,6 +57,10 @@ EXPECTED = {
         ("1",),
         ("4",),
     ],
+    "ema_overhead": [
+        ("mlp", "2", "estimator, adam"),
+        ("mlp", "2", "estimator, adam + ExponentialMovingAverage"),
+    ],
 }
 
 

@@ -18,6 +18,8 @@ import hooks as hooks_lib
 
 from ..compilation import CompileCounter
 from ..config import RunConfig
+from ..io import variables as variables_lib
+from ..io.variables import PARAMS
 from ..parallel import zero
 
 log = logging.getLogger("estimator")
@@ -67,7 +69,7 @@ class StartupSummaryHook(hooks_lib.SessionRunHook):
         # () -> the compiled train loop, for its memory_analysis() line at DEBUG
         self._train_program = train_program
         # Shapes and shardings only: the arrays themselves are donated to the first loop.
-        for key in ("params", "opt_state"):
+        for key in ("params", "opt_state", "state"):
             fields[key] = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                 fields.get(key),
@@ -106,10 +108,12 @@ def log_startup_summary(
     start_step: int,
     target: int | None,
     opt_state: Any = None,
+    state: Any = None,
     first_step_secs: float,
 ) -> None:
     """One block: devices, mesh, batch sizes, parameter count, the bytes one device holds of
-    the parameters and of the optimizer state, and the time to the first step."""
+    the parameters and of the optimizer state, and the time to the first step; then the
+    parameter table (``parameter_table``) of ``params`` and the other collections ``state``."""
     devices = mesh.devices.reshape(-1)
     kinds = sorted({d.device_kind for d in devices})
     log.info(
@@ -132,6 +136,57 @@ def log_startup_summary(
         "" if target is None else f" to step {target}",
         first_step_secs,
     )
+    variables = {PARAMS: params, **dict(state or {})}
+    table = parameter_table(variables)
+    log.info("%s", table)
+    if _CAPPED in table:
+        log.debug("%s", parameter_table(variables, max_rows=None))
+
+
+#: Rows of the start-up parameter table at INFO; the whole table goes to DEBUG beyond it.
+MAX_TABLE_ROWS = 40
+_CAPPED = "(the whole table at DEBUG level)"
+
+
+def parameter_table(variables: dict, *, max_rows: int | None = MAX_TABLE_ROWS) -> str:
+    """Every variable's name (as ``get_variable_names``), shape, dtype and element count, and
+    the totals (trainable ``params``, and the other collections), as Keras's ``summary()``.
+
+    Example:
+      >>> print(parameter_table({"params": {"dense": {"kernel": np.zeros((3, 2))}}}))
+      Parameters: 1 variable(s), 6 trainable
+        name          shape   dtype    count
+        dense/kernel  (3, 2)  float64      6
+        total                              6
+    """
+    rows = [
+        (name, str(tuple(np.shape(x))), str(getattr(x, "dtype", "")), int(np.prod(np.shape(x))))
+        for name, x in variables_lib.flatten(
+            {c: variables[c] for c in sorted(variables, key=lambda c: c != PARAMS)}
+        ).items()
+        if x is not None
+    ]
+    trainable = count_parameters(variables.get(PARAMS))
+    other = sum(r[3] for r in rows) - trainable
+    head = f"Parameters: {len(rows)} variable(s), {trainable:,} trainable"
+    if other:
+        head += f", {other:,} in other collections"
+    shown = rows if max_rows is None else rows[:max_rows]
+    table = [("name", "shape", "dtype", "count")] + [(n, sh, d, f"{c:,}") for n, sh, d, c in shown]
+    table.append(("total", "", "", f"{trainable + other:,}"))
+    widths = [max(len(r[i]) for r in table) for i in range(4)]
+    lines = [head] + [
+        f"  {n:<{widths[0]}}  {sh:<{widths[1]}}  {d:<{widths[2]}}  {c:>{widths[3]}}".rstrip()
+        for n, sh, d, c in table
+    ]
+    if len(shown) < len(rows):
+        left = rows[len(shown) :]
+        lines.insert(
+            -1,
+            f"  ... {len(left)} more variable(s) ({sum(r[3] for r in left):,} elements) not "
+            f"listed {_CAPPED}",
+        )
+    return "\n".join(lines)
 
 
 def program_memory(compiled: Any) -> dict[str, int] | None:

@@ -1,4 +1,5 @@
-"""The estimator's own training hooks: the loss log line and the training summaries.
+"""The estimator's own training hooks: the loss log line and the training summaries (loss,
+speed, and the injected hyperparameters of the train_op).
 
 They are default hooks like TF's ``LoggingTensorHook``/``SummarySaverHook``, so the train
 loop has no branch for them. They run before the user's hooks in each ``after_run`` (the NaN
@@ -9,7 +10,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 import hooks
@@ -17,6 +22,7 @@ from hooks import SessionRunArgs, SessionRunContext, SessionRunHook, SessionRunV
 
 from .. import summary
 from ..errors import NanLossDuringTrainingError
+from ..io import variables as variables_lib
 
 log = logging.getLogger("estimator")
 
@@ -93,3 +99,75 @@ class TrainSummaryHook(SessionRunHook):
         nonfinite = int(np.asarray(got["nonfinite"]).reshape(-1)[-1]) if self._nonfinite else None
         scale = float(np.asarray(got["loss_scale"]).reshape(-1)[-1]) if self._loss_scale else None
         self._summaries.after_loop(got["loss"], got["step"], nonfinite, loss_scale=scale)
+
+
+def _is_injected(x: Any) -> bool:
+    """An ``optax.inject_hyperparams`` state (``InjectHyperparamsState`` or the stateful one)."""
+    return isinstance(getattr(x, "hyperparams", None), dict) and hasattr(x, "inner_state")
+
+
+def _scalar(x: Any) -> float | None:
+    if isinstance(x, jax.Array):
+        if x.size != 1 or not jnp.issubdtype(x.dtype, jnp.number):
+            return None
+        x = x.addressable_shards[0].data  # replicated: any process's own copy
+    value = np.asarray(x)
+    if value.size != 1 or not np.issubdtype(value.dtype, np.number):
+        return None
+    return float(value.reshape(()))
+
+
+def injected_hyperparams(opt_state: Any) -> dict[str, Any]:
+    """``{name: array}`` of every scalar hyperparameter that ``optax.inject_hyperparams``
+    keeps in ``opt_state``, found wherever it is (inside ``chain``, ``ExponentialMovingAverage
+    .apply``, ...). Names are the hyperparameters' own (``learning_rate``); when several
+    injected optimizers are found, each name is prefixed by its path in the state.
+
+    Example:
+      >>> injected_hyperparams(optax.inject_hyperparams(optax.sgd)(0.1).init(params))
+      {'learning_rate': Array(0.1, dtype=float32)}
+    """
+    nodes = [
+        (path, node)
+        for path, node in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_injected)[0]
+        if _is_injected(node)
+    ]
+    out = {}
+    for path, node in nodes:
+        prefix = f"{variables_lib.path_name(path)}/" if len(nodes) > 1 else ""
+        for name, value in node.hyperparams.items():
+            if getattr(value, "size", 1) == 1 and hasattr(value, "dtype"):
+                out[prefix + str(name)] = value
+    return out
+
+
+class HyperparamSummaryHook(SessionRunHook):
+    """Writes the injected hyperparameters (``learning_rate``, ...) of the train_op as scalars.
+
+    ``optax.inject_hyperparams`` keeps each hyperparameter's value of the latest update in the
+    optimizer state, so no user code (host_call) is needed: after each loop that crosses a
+    multiple of ``every`` steps, the values are written at the loop's last step (the values
+    that step used; with ``iterations_per_loop=1`` exactly every ``every`` steps).
+
+    Args:
+      writer: a tensorboardX writer, or None (writes nothing).
+      every: ``RunConfig.save_summary_steps``; 0 or None writes nothing.
+      opt_state: returns the optimizer state after the loop (read before the next loop).
+    """
+
+    def __init__(self, writer, *, every: int | None, opt_state: Callable[[], Any]):
+        self._writer, self._every, self._opt_state = writer, every or 0, opt_state
+
+    def before_run(self, run_context: SessionRunContext) -> SessionRunArgs:
+        return SessionRunArgs("global_step")
+
+    def after_run(self, run_context: SessionRunContext, run_values: SessionRunValues) -> None:
+        steps = np.asarray(run_values.results).reshape(-1)
+        if self._writer is None or not self._every or not len(steps):
+            return
+        if not any(int(s) % self._every == 0 for s in steps):
+            return
+        for name, value in injected_hyperparams(self._opt_state()).items():
+            scalar = _scalar(value)
+            if scalar is not None:
+                self._writer.add_scalar(name, scalar, global_step=int(steps[-1]))

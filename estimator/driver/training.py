@@ -38,14 +38,14 @@ from ..io.store import LastState
 from ..parallel import multihost
 from ..scaffold import IN_MODEL_FN, fresh_init_fn
 from ..spec import ModeKeys
-from . import dispatch, nonfinite, preemption, progress
+from . import dispatch, hparams, nonfinite, preemption, progress
 from .budget import StepBudget, log_end, planned_last_steps
 from .checkpointer import Checkpointer, save_then_drain, wait_committed
 from .hook_runner import HookRunner, Session
 from .host import HOST_CALL_QUEUE_LOOPS, HostWorker, run_host_calls
 from .job import EndReason, Job, TrainOutcome
 from .preemption import StopSignals
-from .train_hooks import LossLoggingHook, NanLossHook, TrainSummaryHook
+from .train_hooks import HyperparamSummaryHook, LossLoggingHook, NanLossHook, TrainSummaryHook
 
 log = logging.getLogger("estimator")
 
@@ -273,6 +273,7 @@ class TrainRun:
             replica_batch=self.model_batch,
             params=state.params,
             opt_state=state.opt_state,
+            state=state.state,
             start_step=step,
             target=self.budget.target,
             train_program=self._train_program(),
@@ -281,7 +282,15 @@ class TrainRun:
         if progress.progress_enabled(cfg.progress_bar):
             given.append(progress.ProgressBarHook(start=step, total=self.budget.target))
         self.writer = summary.writer_for(job.model_dir)
-        defaults = _default_hooks(cfg, given, writer=self.writer, examples_per_step=global_batch)
+        defaults = _default_hooks(
+            cfg,
+            given,
+            writer=self.writer,
+            examples_per_step=global_batch,
+            opt_state=lambda: self.state.opt_state,  # after each loop, before the next one
+        )
+        if step == 0 and cfg.save_summary_steps:  # from scratch: params in the HPARAMS tab
+            hparams.write_session_start(self.writer, job.model.params)
         ckpts = job.store.writer()
         self.saver = Checkpointer(
             cfg,
@@ -403,8 +412,11 @@ class TrainRun:
             self.prefetch = None
 
 
-def _default_hooks(config: RunConfig, given, *, writer, examples_per_step: int) -> list:
-    """The training summaries and the loss log line, NanTensorHook (unless non-finite steps
+def _default_hooks(
+    config: RunConfig, given, *, writer, examples_per_step: int, opt_state=lambda: None
+) -> list:
+    """The training summaries (loss, speed, injected hyperparameters of the train_op, read
+    through ``opt_state()``) and the loss log line, NanTensorHook (unless non-finite steps
     are skipped, or the user passed their own NanTensorHook, e.g. ``fail_on_nan_loss=False``)
     and the step counter."""
     every = config.log_step_count_steps or 0
@@ -415,7 +427,8 @@ def _default_hooks(config: RunConfig, given, *, writer, examples_per_step: int) 
             examples_per_step=examples_per_step,
             nonfinite=precision.skips_nonfinite(config),
             loss_scale=precision.uses_loss_scale(config.tpu_config.compute_dtype),
-        )
+        ),
+        HyperparamSummaryHook(writer, every=config.save_summary_steps, opt_state=opt_state),
     ]
     if every:
         out.append(LossLoggingHook(every))

@@ -168,6 +168,33 @@ def _shapes(tree: Any, item: str) -> dict[str, tuple]:
     }
 
 
+def _moving_average_template(saved: Any) -> Any:
+    """Host arrays shaped like the moving-average parts of a saved ``train`` tree (the
+    ``ExponentialMovingAverage`` and ``use_for_eval`` entries, in their dicts), for a
+    partial restore; None when one of them sits inside a sequence (no partial template)."""
+    keep = (variables_lib.MOVING_AVERAGE, variables_lib.EVAL_FLAG)
+
+    def prune(node: Any) -> Any:
+        if isinstance(node, dict):
+            out = {}
+            for key, value in node.items():
+                if key in keep:
+                    out[key] = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), value)
+                else:
+                    sub = prune(value)
+                    if sub:
+                        out[key] = sub
+            return out
+        if isinstance(node, (list, tuple)) and any(prune(v) for v in node):
+            raise LookupError
+        return {}
+
+    try:
+        return prune(saved)
+    except LookupError:
+        return None
+
+
 def describe_mismatch(saved: dict[str, tuple], wanted: dict[str, tuple], item: str) -> list[str]:
     """Every difference between a checkpoint's arrays and the model's, one line each."""
     out = []
@@ -417,6 +444,53 @@ class Checkpoints:
     def _saved_shapes(self, step: int, item: str) -> dict[str, tuple]:
         return _shapes(self._metadata(step, item), item)
 
+    def moving_average_shapes(self, step: int) -> dict[str, tuple]:
+        """``{"<var>/ExponentialMovingAverage": shape}`` of the step's moving averages (read
+        from the metadata of its optimizer state; see ``variables.moving_average_names``)."""
+        named = variables_lib.moving_average_names(self._metadata(step, "train"))
+        return {n: tuple(m.shape) for n, m in named.items()}
+
+    def moving_averages(self, step: int) -> dict[str, np.ndarray]:
+        """The step's moving averages as numpy arrays, named as ``moving_average_shapes``
+        (empty without an ``ExponentialMovingAverage`` in the train_op)."""
+        part = self._moving_average_part(step)
+        return {} if part is None else variables_lib.moving_average_names(part)
+
+    def moving_average_for_eval(self, step: int) -> dict[str, np.ndarray] | None:
+        """``{param name: shadow}`` of an ``ExponentialMovingAverage(use_for_eval=True)``
+        saved in the step, or None (no moving average, or one not meant for evaluation)."""
+        part = self._moving_average_part(step)
+        return None if part is None else variables_lib.moving_average_for_eval(part)
+
+    def _moving_average_part(self, step: int) -> Any:
+        """The moving averages (and their flags) of the step's optimizer state as numpy,
+        read without the rest of it where the tree allows; None when there are none."""
+        saved = self._metadata(step, "train")
+        if not variables_lib.moving_average_names(saved):
+            return None
+        try:
+            template = _moving_average_template(saved)
+            if template is None:  # inside a sequence (a chain): read the whole item
+                args = ocp.args.Composite(
+                    train=ocp.args.StandardRestore(self._host_template(step, "train"))
+                )
+                return self._manager.restore(step, args=args)["train"]
+            handler = ocp.PyTreeCheckpointHandler()
+            try:
+                restore_args = jax.tree.map(
+                    lambda _: ocp.RestoreArgs(restore_type=np.ndarray), template
+                )
+                args = ocp.args.PyTreeRestore(
+                    template, restore_args=restore_args, partial_restore=True
+                )
+                return handler.restore(epath.Path(self.path(step)) / "train", args=args)
+            finally:
+                handler.close()
+        except Exception as e:  # noqa: BLE001 - Orbax raises many types; we name the step
+            raise CheckpointError(
+                f"checkpoint {self.path(step)}: its moving averages could not be read ({_short(e)})"
+            ) from e
+
     def check_matches(self, step: int, *, variables: Any, train: Any = None) -> None:
         """Raises CheckpointMismatchError when the step holds another model's arrays."""
         problems = []
@@ -503,9 +577,11 @@ class Checkpoints:
 
     def named_values(self, step: int) -> dict[str, np.ndarray]:
         """Every saved variable of one step on the host, by its public name (the names
-        ``estimator.list_variables`` shows, ``global_step`` aside)."""
+        ``estimator.list_variables`` shows, ``global_step`` aside; moving averages included)."""
         out = self.restore(step)
-        return variables_lib.flatten(jax.device_get(dict(out["variables"])))
+        names = variables_lib.flatten(jax.device_get(dict(out["variables"])))
+        names.update(self.moving_averages(step))  # <var>/ExponentialMovingAverage
+        return names
 
     def restore_mapped(
         self, step: int, template: Any, sources: dict[str, str] | None = None
@@ -731,7 +807,8 @@ def read_variables(path: str) -> dict[str, Any]:
 
     ``path`` is a step directory or a model_dir (its newest readable checkpoint). ``params``
     are named by module path (``dense1/kernel``); other collections keep their collection
-    name in front (``batch_stats/BatchNorm_0/mean``); ``global_step`` is the step.
+    name in front (``batch_stats/BatchNorm_0/mean``); an ``ExponentialMovingAverage``'s
+    shadows are ``dense1/kernel/ExponentialMovingAverage``; ``global_step`` is the step.
 
     Raises:
       NoCheckpointError: there is no checkpoint at ``path``.

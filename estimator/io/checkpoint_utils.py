@@ -117,7 +117,8 @@ def list_variables(ckpt_or_dir: str) -> list[tuple[str, list[int]]]:
     """``[(name, shape)]`` of every saved variable, sorted by name (TF's ``list_variables``).
 
     Names are those of ``TPUEstimator.get_variable_names()`` (``params`` by module path,
-    other collections prefixed by their name) plus ``global_step``; only the metadata is read.
+    other collections prefixed by their name), the shadows of an ``ExponentialMovingAverage``
+    (``dense/kernel/ExponentialMovingAverage``) and ``global_step``; only the metadata is read.
 
     Example:
       >>> estimator.list_variables("/runs/mnist")[:2]
@@ -125,7 +126,8 @@ def list_variables(ckpt_or_dir: str) -> list[tuple[str, list[int]]]:
     """
     ckpts, step = _resolve(ckpt_or_dir)
     out = [("global_step", [])]
-    for name, shape in ckpts._saved_shapes(step, "variables").items():
+    shapes = {**ckpts._saved_shapes(step, "variables"), **ckpts.moving_average_shapes(step)}
+    for name, shape in shapes.items():
         out.append((name, [int(d) for d in shape]))
     return sorted(out)
 

@@ -39,6 +39,7 @@ from ..parallel import zero
 from ..parallel.mesh import DATA
 from ..spec import ModeKeys
 from . import checkpoint as ckpt_lib
+from . import variables as variables_lib
 from .store import StateStore
 
 log = logging.getLogger("estimator")
@@ -140,10 +141,30 @@ def restore_variables(
                 abstract_variables(programs, mode, example, batch_size)
             if sources() is None:  # a Saver reads other values than the ones trained
                 variables, _ = train_state_parts(last.state)
-                return _gathered(programs, variables), last.step
+                shadow = variables_lib.moving_average_for_eval(last.state.opt_state)
+                return _averaged(_gathered(programs, variables), shadow, last.step), last.step
     template = abstract_variables(programs, mode, example, batch_size)
     got = ckpts.restore_latest(variables=template, step=step, sources=sources(), allow_extra=True)
     if got is None:
         raise NoCheckpointError(f"Could not find trained model in model_dir: {model_dir}")
     step, out = got
-    return out["variables"], int(np.asarray(out["meta"]["global_step"]))
+    shadow = ckpts.moving_average_for_eval(step)
+    return _averaged(out["variables"], shadow, step), int(np.asarray(out["meta"]["global_step"]))
+
+
+def _averaged(variables: dict, shadow: dict | None, step: int) -> dict:
+    """``variables`` with params replaced by an ``ExponentialMovingAverage(use_for_eval=True)``'s
+    shadow (``{param name: array}``, None: unchanged), placed as the params are."""
+    if not shadow:
+        return variables
+    params, rest = split_params(variables)
+    log.info("Using the moving averages of the parameters (step %d) for this run", step)
+
+    def place(name: str, raw: Any) -> Any:
+        value = shadow.get(name, raw)
+        if isinstance(value, np.ndarray):
+            value = value.astype(raw.dtype, copy=False)
+        return jax.device_put(value, raw.sharding)
+
+    averaged = {n: place(n, raw) for n, raw in variables_lib.named_variables(params).items()}
+    return {"params": variables_lib.unflatten_into({"params": params}, averaged)["params"], **rest}

@@ -22,6 +22,9 @@ import jax
 from ..errors import EstimatorTypeError, EstimatorValueError
 
 PARAMS = "params"
+#: The shadow of ``ExponentialMovingAverage`` in the optimizer state, and its name suffix.
+MOVING_AVERAGE = "ExponentialMovingAverage"
+EVAL_FLAG = "use_for_eval"
 
 
 def key_name(key: Any) -> str:
@@ -74,6 +77,57 @@ def unflatten_into(variables: Mapping[str, Any], values: Mapping[str, Any]) -> d
         return jax.tree_util.tree_map_with_path(one, tree)
 
     return {c: replace(c, t) for c, t in variables.items()}
+
+
+# --------------------------------------------------------------------------- moving averages
+# ExponentialMovingAverage keeps its shadow in the optimizer state, in a field named
+# "ExponentialMovingAverage" (next to "use_for_eval"); wherever the optimizer state is
+# (``opt_state/ExponentialMovingAverage/dense/kernel``, or deeper inside a chain), the shadow
+# of ``dense/kernel`` is named as TF named it: ``dense/kernel/ExponentialMovingAverage``.
+
+
+def _keys(path: tuple) -> list[str]:
+    return [key_name(k) for k in path]
+
+
+def moving_average_names(train: Any) -> dict[str, Any]:
+    """``{"<var>/ExponentialMovingAverage": leaf}`` of every moving-average shadow in a tree
+    holding optimizer state (the checkpoint's ``train`` item, in memory, restored or as its
+    metadata).
+
+    Example:
+      >>> moving_average_names({"opt_state": {"ExponentialMovingAverage": {"d": {"k": s}}}})
+      {'d/k/ExponentialMovingAverage': s}
+    """
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(train)[0]:
+        keys = _keys(path)
+        if MOVING_AVERAGE not in keys[:-1]:
+            continue
+        at = len(keys) - 1 - keys[::-1].index(MOVING_AVERAGE)
+        out["/".join(keys[at + 1 :]) + "/" + MOVING_AVERAGE] = leaf
+    return out
+
+
+def moving_average_for_eval(train: Any) -> dict[str, Any] | None:
+    """The shadow (``{param name: leaf}``) of an ``ExponentialMovingAverage(use_for_eval=True)``
+    in ``train``, or None when there is none or its flag is off. ``train`` holds arrays."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(train)[0]:
+        keys = _keys(path)
+        if keys and keys[-1] == EVAL_FLAG and int(jax.device_get(leaf)):
+            at = len(keys) - 1
+            shadow = {}
+            for p, x in jax.tree_util.tree_flatten_with_path(train)[0]:
+                k = _keys(p)
+                if k[:at] == keys[:at] and len(k) > at + 1 and k[at] == MOVING_AVERAGE:
+                    shadow["/".join(k[at + 1 :])] = x
+            return shadow
+    return None
+
+
+def has_moving_average(train: Any) -> bool:
+    """Whether a ``train`` tree (arrays or metadata) holds a moving-average shadow."""
+    return bool(moving_average_names(train))
 
 
 # --------------------------------------------------------------------------- masks by name

@@ -119,7 +119,8 @@ LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("data",), ("strategy",)),  # input_fn -> staged calls; the tf.distribute-like API
     (("engine",),),  # the compiled side: model_fn under Flax, the loops, the state
     (("io",),),  # checkpoints, restore, the export format
-    (("scaffold", "trainable"),),  # init from checkpoints, warm start, model_fn's variables
+    # init from checkpoints, warm start, model_fn's variables, moving-average weights
+    (("scaffold", "trainable", "moving_average"),),
     (("driver",),),  # the host loops: train, evaluate, predict, export
     (("tpu_estimator", "train_and_evaluate", "tpu", "exporters", "export"),),  # the facade
     (("cli", "__main__"),),  # the command line (the only importer of models)
