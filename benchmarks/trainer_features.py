@@ -190,7 +190,7 @@ def main(argv=None) -> str | None:
         notes,
     )
     width = "x".join([str(mem["hidden"])] * mem["layers"])
-    text += "\n\n" + C.report(
+    text += "\n" + C.report(  # print() ended the first table with one newline
         "Micro-batches: train-loop temporary memory per device",
         ["num_microbatches", "temp MiB/device", "reduction vs 1"],
         mem_rows,
