@@ -40,6 +40,7 @@ from .io.store import StateStore
 from .parallel import multihost
 from .parallel.mesh import make_mesh, num_replicas, single_device_mesh
 from .spec import ModeKeys
+from .tf_only import tf_only_arguments
 
 log = logging.getLogger("estimator")
 
@@ -59,7 +60,7 @@ class TPUEstimator:
       train_batch_size, eval_batch_size, predict_batch_size: global batch sizes.
       warm_start_from: a checkpoint path or ``WarmStartSettings`` applied on a fresh start.
       batch_axis, eval_on_tpu, export_to_tpu, export_to_cpu, export_saved_model_api_version:
-        TF's, keyword-only, accepted with one warning each (see ``_tf_only_arguments``).
+        TF's, keyword-only, accepted with one warning each (see ``tf_only.tf_only_arguments``).
       embedding_config_spec: TF's TPU embedding; only None (the TPU embedding engine has no
         counterpart: build the tables as ``flax.linen.Embed`` in model_fn).
     """
@@ -83,7 +84,7 @@ class TPUEstimator:
         embedding_config_spec: Any = None,
         export_saved_model_api_version: Any = None,
     ):
-        _tf_only_arguments(
+        tf_only_arguments(
             batch_axis=batch_axis,
             eval_on_tpu=eval_on_tpu,
             export_to_tpu=export_to_tpu,
@@ -324,35 +325,3 @@ class TPUEstimator:
         if path is None:
             raise NoCheckpointError(f"No checkpoint found in {self.model_dir}")
         return ckpt_lib.read_variables(self.model_dir)  # the newest readable one
-
-
-_TF_ONLY_MEANING = {
-    "eval_on_tpu": "evaluation runs on the estimator's devices, with the same results",
-    "export_to_tpu": "export_saved_model writes one computation; choose its platforms with "
-    "export_saved_model(platforms=...)",
-    "export_to_cpu": "export_saved_model writes one computation; choose its platforms with "
-    "export_saved_model(platforms=...)",
-    "export_saved_model_api_version": "the export has one form (docs/export.md)",
-    "batch_axis": "every input is split over replicas on its first (batch) dimension",
-}
-
-
-def _tf_only_arguments(**given: Any) -> None:
-    """TF's TPUEstimator arguments without a meaning here: one warning each when given;
-    the ones that would change results if ignored are refused, naming the replacement."""
-    spec = given.pop("embedding_config_spec")
-    if spec is not None:
-        raise EstimatorValueError(
-            "TPUEstimator(embedding_config_spec=...) is not supported: the TPU embedding engine "
-            "has no counterpart here; build the tables as flax.linen.Embed layers in model_fn "
-            "(split them over devices with nn.with_partitioning, docs/sharding.md)"
-        )
-    axis = given.get("batch_axis")
-    if axis is not None and any(a not in (0, None) for a in jax.tree.leaves(axis)):
-        raise EstimatorValueError(
-            f"TPUEstimator(batch_axis={axis!r}): inputs are split over replicas on their "
-            "first dimension only; put the batch dimension first in input_fn"
-        )
-    for name, value in given.items():
-        if value is not None:
-            log.warning("TPUEstimator(%s=%r) ignored: %s", name, value, _TF_ONLY_MEANING[name])

@@ -122,7 +122,7 @@ LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
     # init from checkpoints, warm start, model_fn's variables, moving-average weights
     (("scaffold", "trainable", "moving_average"),),
     (("driver",),),  # the host loops: train, evaluate, predict, export
-    (("tpu_estimator", "train_and_evaluate", "tpu", "exporters", "export"),),  # the facade
+    (("tpu_estimator", "train_and_evaluate", "tpu", "exporters", "export", "tf_only"),),  # facade
     (("cli", "__main__"),),  # the command line (the only importer of models)
 )
 
