@@ -10,14 +10,15 @@ import os
 import numpy as np
 
 import estimator
-from examples import efficientnet_tpu
 from hooks import event_reader
+from tests.examples._load import example
 
 TRAIN_STEPS = 10
 
 
 def _run(*args):
-    flags = efficientnet_tpu.FLAGS
+    module = example("efficientnet_tpu")
+    flags = module.FLAGS
     flags.unparse_flags()
     flags(
         [
@@ -30,7 +31,7 @@ def _run(*args):
         ]
     )
     try:
-        return efficientnet_tpu.main([])
+        return module.main([])
     finally:
         flags.unparse_flags()
 
@@ -70,7 +71,7 @@ def test_efficientnet_port_trains_evaluates_keeps_the_best_and_exports(tmp_path,
     step = _exported_step(os.path.join(best_dir, version))
     assert evaluations[step]["top_1_accuracy"] == best_top1
     # The final export serves what predict computes.
-    images, _ = efficientnet_tpu.dataset("validation")
+    images, _ = example("efficientnet_tpu").dataset("validation")
     served = estimator.load_saved_model(exported)(images[:16])["probabilities"]
     assert served.shape == (16, 10)
     np.testing.assert_allclose(served.sum(-1), 1.0, rtol=1e-5)

@@ -7,7 +7,7 @@ import logging
 import jax
 import pytest
 
-from examples import mnist_tpu
+from tests.examples._load import example
 
 TRAIN_STEPS = 40
 
@@ -22,7 +22,8 @@ def optimized():
 
 
 def _run(model_dir, *, use_tpu: bool):
-    flags = mnist_tpu.FLAGS
+    module = example("mnist_tpu")
+    flags = module.FLAGS
     flags.unparse_flags()
     flags(
         [
@@ -37,7 +38,7 @@ def _run(model_dir, *, use_tpu: bool):
         ]
     )
     try:
-        return mnist_tpu.main([])
+        return module.main([])
     finally:
         flags.unparse_flags()
 
