@@ -91,3 +91,17 @@ def standard_handler_with_array_handler(array_handler: Any) -> Any:
         type_handler_registry=registry
     )
     return handler
+
+
+def distributed_client() -> Any:
+    """The coordination-service client of ``jax.distributed`` (None before it is started).
+
+    Its key-value store (``key_value_set``, ``key_value_dir_get``) is how the processes of a
+    job see each other's heartbeats (``estimator.cluster.watchdog``); JAX keeps the client
+    private.
+    """
+    try:
+        from jax._src import distributed  # private: JAX exposes no handle on its client
+    except ImportError:
+        return None
+    return distributed.global_state.client

@@ -36,6 +36,7 @@ from .engine.model import ModelFn, user_params
 from .engine.programs import Programs
 from .errors import EstimatorTypeError, EstimatorValueError, NoCheckpointError
 from .io import checkpoint as ckpt_lib
+from .io import step_names
 from .io.store import StateStore
 from .parallel import multihost
 from .parallel.mesh import make_mesh, num_replicas, single_device_mesh
@@ -99,7 +100,11 @@ class TPUEstimator:
             raise EstimatorTypeError(
                 f"config must be an estimator.RunConfig, got {type(config).__name__}"
             )
-        start_cluster(config.cluster, model_dir=model_dir or config.model_dir)  # before devices
+        start_cluster(  # before devices
+            config.cluster,
+            model_dir=model_dir or config.model_dir,
+            latest_checkpoint=step_names.newest_finished_path,
+        )
         self._config = config.replace(
             model_dir=ckpt_lib.resolve_model_dir(model_dir, config.model_dir)
         )

@@ -12,6 +12,11 @@ Conventions (also in docs/development.md):
 To keep the suite fast, every ``max_steps=N`` literal becomes ``max_steps=max(1, N // 25)``
 and ``"/tmp/...`` paths move under pytest's ``tmp_path``. ``DOCS_TEST_AS_WRITTEN=1`` runs the
 blocks exactly as written instead (in /tmp, full step counts).
+
+The suite's 8 simulated devices would hide a block that needs them, so every page also runs
+in one fresh process with ONE CPU device (the flag removed), as on a newcomer's laptop: each
+block must run there too, or fail with an error saying how to get more devices
+(``NEEDS_DEVICES``).
 """
 
 from __future__ import annotations
@@ -20,9 +25,13 @@ import ast
 import contextlib
 import functools
 import io
+import json
 import os
 import pathlib
 import re
+import subprocess
+import sys
+import traceback
 
 import pytest
 
@@ -123,6 +132,77 @@ def test_quick_start_trains_evaluates_and_predicts(docs_tmp):
     assert evaluated["global_step"] == (500 if AS_WRITTEN else 500 // 25)  # max_steps reached
     assert evaluated["accuracy"] > (0.98 if AS_WRITTEN else 0.5)  # README: 0.98...
     assert len(ns["predictions"]) == len(ns["x"])
+
+
+# Blocks that need more than one device: on one CPU device each must fail at its first line
+# that needs them, with an error naming the flag that simulates more.
+NEEDS_DEVICES = {"docs/strategy.md": "--xla_force_host_platform_device_count=8"}
+_DEVICE_FLAG = re.compile(r"--xla_force_host_platform_device_count=\d+")
+_ONE_DEVICE_CHILD = """
+import json, sys
+from tests import docs_test
+for page in sys.argv[2:]:
+    print("RESULT " + json.dumps([page, docs_test.run_page_reporting(page, sys.argv[1])]))
+"""
+
+
+def run_page_reporting(page: str, tmp: str) -> dict:
+    """Runs ``page``'s blocks; ``{"ok": True}`` or where and how the first failing block
+    failed (``{"ok": False, "line": ..., "error": ...}``)."""
+    try:
+        _page_namespace(page, tmp)
+        return {"ok": True}
+    except Exception as e:  # noqa: BLE001 - reported to the parent test
+        lines = [f.filename for f in traceback.extract_tb(e.__traceback__)]
+        where = [f for f in lines if f.startswith(f"{page}:")]
+        return {"ok": False, "line": where[-1] if where else None, "error": f"{e!r}"[:2000]}
+
+
+@pytest.fixture(scope="module")
+def one_device_results(tmp_path_factory):
+    """Every page with runnable blocks, in one fresh process with one CPU device."""
+    pages = [p for p in PAGES if any(k != "fragment" for _, k, _, _ in python_blocks(p))]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env["XLA_FLAGS"] = _DEVICE_FLAG.sub("", env.get("XLA_FLAGS", "")).strip()
+    out = subprocess.run(
+        [sys.executable, "-c", _ONE_DEVICE_CHILD, str(tmp_path_factory.mktemp("one")), *pages],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=ROOT,
+    )
+    results = dict(
+        json.loads(ln.split("RESULT ", 1)[1])
+        for ln in out.stdout.splitlines()
+        if ln.startswith("RESULT ")
+    )
+    assert out.returncode == 0 and len(results) == len(pages), out.stderr[-3000:]
+    return results
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)])
+def test_blocks_run_on_one_cpu_device(page, one_device_results):
+    if page not in one_device_results:
+        pytest.skip(f"{page}: only fragments")
+    got = one_device_results[page]
+    if page not in NEEDS_DEVICES:
+        assert got["ok"], f"{page} on one CPU device: {got}"
+        return
+    assert not got["ok"], f"{page} ran on one device: drop it from NEEDS_DEVICES"
+    assert NEEDS_DEVICES[page] in got["error"], got
+
+
+def test_guide_early_stopping_evaluates_at_every_checkpoint(docs_tmp):
+    """The guide's train_and_evaluate example evaluates each 200-step checkpoint (not once at
+    the end, as with the default 600 s checkpoints), which is what its hook stops on."""
+    from hooks.event_reader import read_eval_metrics
+
+    est = _page_namespace("docs/guide.md", docs_tmp)["est"]
+    steps = sorted(read_eval_metrics(os.path.join(est.model_dir, "eval")))
+    last = 10_000 if AS_WRITTEN else 10_000 // 25
+    assert steps[:2] == [200, 400] and steps[-1] < 10_000, steps
+    assert AS_WRITTEN or steps == [200, last]
 
 
 def _slug(heading: str) -> str:

@@ -24,9 +24,9 @@ Example:
   >>> config = estimator.RunConfig(model_dir="gs://bucket/run", cluster=resolver)
   >>> est = estimator.TPUEstimator(model_fn, config=config, train_batch_size=1024)
 
-A process that dies makes the others fail within ``heartbeat_timeout`` seconds: JAX's
-coordination service notices the missing heartbeats and ends every other process with
-"Terminating process because the JAX distributed service detected fatal errors".
+A process that dies (SIGKILL, a lost machine) makes every other one exit within
+``heartbeat_timeout`` seconds (default 20) with one message naming the lost process and the
+last committed checkpoint, and exit code 75 (``estimator.cluster.watchdog``).
 """
 
 from __future__ import annotations
@@ -35,10 +35,12 @@ import json
 import logging
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from .. import _compat
 from ..errors import EstimatorRuntimeError, EstimatorTypeError, EstimatorValueError
+from . import watchdog
 
 log = logging.getLogger("estimator")
 
@@ -49,7 +51,7 @@ TIMEOUT_ENV = {
     "heartbeat_timeout": "TPU_ESTIMATOR_HEARTBEAT_TIMEOUT",
     "shutdown_timeout": "TPU_ESTIMATOR_SHUTDOWN_TIMEOUT",
 }
-_DEFAULT_TIMEOUTS = {"initialization_timeout": 300, "heartbeat_timeout": 60, "shutdown_timeout": 60}
+_DEFAULT_TIMEOUTS = {"initialization_timeout": 300, "heartbeat_timeout": 20, "shutdown_timeout": 60}
 _LOCAL_TPU_NAMES = ("", "local")
 _connected: dict[str, Any] = {}  # what this process connected with (once per process)
 
@@ -142,8 +144,9 @@ class TPUClusterResolver:
       num_processes: processes in the job.
       process_id: this process's index, ``0 <= process_id < num_processes``.
       initialization_timeout: seconds to wait for every process to join (default 300).
-      heartbeat_timeout: seconds without heartbeats after which a process counts as dead and
-        every other process is ended (default 60).
+      heartbeat_timeout: seconds without heartbeats after which a process counts as lost:
+        every other process logs one error naming it and the last committed checkpoint, and
+        exits with code 75 (default 20; ``estimator.cluster.watchdog``).
       shutdown_timeout: seconds a finishing process waits for the others at exit (default
         60).
       env_var: the TF_CONFIG-style variable to read.
@@ -320,7 +323,10 @@ class TPUClusterResolver:
             jax.distributed.initialize(
                 **kwargs,
                 initialization_timeout=self.timeouts["initialization_timeout"],
-                heartbeat_timeout_seconds=self.timeouts["heartbeat_timeout"],
+                # JAX's own detection (an abort from C++) stays behind the watchdog's.
+                heartbeat_timeout_seconds=watchdog.jax_heartbeat_timeout(
+                    self.timeouts["heartbeat_timeout"]
+                ),
                 shutdown_timeout_seconds=self.timeouts["shutdown_timeout"],
             )
         except ValueError as e:  # JAX's detection found nothing to complete the arguments
@@ -334,6 +340,11 @@ class TPUClusterResolver:
             self.num_processes = jax.process_count()
             self.process_id = jax.process_index()
         _use_distributed_checkpoint_barriers()
+        watchdog.start(
+            process_id=jax.process_index(),
+            num_processes=jax.process_count(),
+            bound=self.timeouts["heartbeat_timeout"],
+        )
         log.info(
             "Process %d of %d: %d local devices, %d in all.",
             jax.process_index(),
@@ -384,8 +395,16 @@ def _use_distributed_checkpoint_barriers() -> None:
         )
 
 
-def start_cluster(cluster: Any, *, model_dir: str | None) -> None:
+def start_cluster(
+    cluster: Any,
+    *,
+    model_dir: str | None,
+    latest_checkpoint: Callable[[str], str | None] | None = None,
+) -> None:
     """Connects ``RunConfig.cluster`` (anything with ``connect()``); None does nothing.
+
+    ``latest_checkpoint(model_dir)`` is what the host-loss message names as the last
+    committed checkpoint.
 
     Raises:
       TypeError: ``cluster`` has no ``connect()`` method.
@@ -407,6 +426,8 @@ def start_cluster(cluster: Any, *, model_dir: str | None) -> None:
             "model_dir must be set in a many-process job: every process writes the same "
             "checkpoints (use a directory all hosts see, e.g. a bucket or shared disk)"
         )
+    if latest_checkpoint is not None:
+        watchdog.watch_model_dir(model_dir, latest_checkpoint)
 
 
 def from_environment() -> TPUClusterResolver | None:

@@ -109,5 +109,7 @@ class Feeder:
         )
         # One call staged ahead: with two running or queued and one being transferred, at
         # most four calls' input are on a device at once.
-        prefetcher = Prefetcher(chunks, depth=1, interrupt=interrupt)
+        prefetcher = Prefetcher(
+            chunks, depth=1, interrupt=interrupt, on_close=pipe.log_short_skipped
+        )
         return synced(prefetcher, pipe, pads=policy.pads, mesh=self.mesh)

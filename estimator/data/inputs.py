@@ -358,6 +358,7 @@ class Pipeline:
         self.positioned = False  # moved past earlier batches (skip or set_state)
         self.global_step = 0  # of the last step read; the trainer sets where it starts
         self.short_skipped = 0
+        self._reported_short = False
 
     @property
     def rows_per_step(self) -> int:
@@ -404,25 +405,29 @@ class Pipeline:
         return conform((features, labels), self.sig, rows=self.rows_per_pull, allow_short=True)
 
     def _skip_short(self, rows: int) -> None:
-        """A short training batch is skipped (a step has a fixed batch size), counted, and
-        logged the 1st, 2nd, 4th, 8th, ... time."""
+        """A short training batch is skipped (a step has a fixed batch size) and counted:
+        the first is logged, the rest once at the end (``log_short_skipped``)."""
         self.short_skipped += 1
-        count, step = self.short_skipped, self.global_step + 1
-        if count == 1:
+        if self.short_skipped == 1:
             log.warning(
                 "Skipping a short training batch of %d rows (batch size %d) before global step "
-                "%d; short batches inside the input are skipped, not trained on.",
+                "%d; short batches inside the input (e.g. each epoch's last) are skipped, not "
+                "trained on, and counted once at the end.",
                 rows,
                 self.rows_per_pull,
-                step,
+                self.global_step + 1,
             )
-        elif count & (count - 1) == 0:
+
+    def log_short_skipped(self) -> None:
+        """Logs, once, how many short batches were skipped after the first one logged."""
+        more = self.short_skipped - 1
+        if more > 0 and not self._reported_short:
+            self._reported_short = True
             log.warning(
-                "%d short training batches skipped so far (the latest of %d rows, before "
-                "global step %d).",
-                count,
-                rows,
-                step,
+                "Skipped %d more short training batch%s (%d in all; not trained on).",
+                more,
+                "" if more == 1 else "es",
+                self.short_skipped,
             )
 
     def _take(self) -> tuple[list, int] | None:
@@ -524,8 +529,10 @@ class Prefetcher:
         *,
         depth: int = 1,
         interrupt: threading.Event | None = None,
+        on_close: Callable[[], None] | None = None,
     ):
         self._items = items
+        self._on_close = on_close  # e.g. the pipeline's end-of-input summary
         self.interrupt = interrupt  # once set, a wait for the next item ends as the end
         self.interrupted = False
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
@@ -590,3 +597,5 @@ class Prefetcher:
                 break
         stopping = self.interrupt is not None and self.interrupt.is_set()
         self._done.wait(timeout=0.5 if stopping else 10)
+        if self._on_close is not None:
+            self._on_close()

@@ -136,3 +136,28 @@ __all__ = [
     "parse_step_path",
     "newest_finished",
 ]
+
+
+def newest_finished_path(model_dir: str) -> str | None:
+    """The path of model_dir's newest finished step directory, read with ``os`` alone (no
+    Orbax manager, which waits at a barrier for every process, and no thread pool, which is
+    gone at interpreter shutdown), or None.
+
+    Example:
+      >>> newest_finished_path("/runs/mnist")
+      '/runs/mnist/model.ckpt-1000'
+    """
+    try:
+        directory, names = layout(model_dir)
+        entries = os.listdir(directory)
+    except OSError:
+        return None
+    if names is TF_NAMES:
+        step = newest_finished(directory, entries)
+        return None if step is None else os.path.join(directory, names.build_name(step))
+    steps = sorted((int(n) for n in entries if n.isdigit()), reverse=True)  # the old layout
+    for step in steps:
+        path = os.path.join(directory, str(step))
+        if os.path.isdir(path) and step_lib.is_path_finalized(epath.Path(path)):
+            return path
+    return None

@@ -45,15 +45,27 @@ def make_mesh(
     if len(devices) % cores:
         raise EstimatorValueError(
             f"num_cores_per_replica={cores} does not divide the {len(devices)} devices"
+            + _more_devices_hint(devices)
         )
     replicas = len(devices) // cores if num_replicas is None else int(num_replicas)
     if replicas < 1 or replicas * cores > len(devices):
         raise EstimatorValueError(
             f"num_replicas={num_replicas} x num_cores_per_replica={cores} needs "
             f"{replicas * cores} devices, but {len(devices)} are available"
+            + _more_devices_hint(devices)
         )
     grid = np.array(devices[: replicas * cores], dtype=object).reshape(replicas, cores)
     return Mesh(grid, (DATA, MODEL), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def _more_devices_hint(devices: list) -> str:
+    """How to get more devices where they can be simulated (CPU), for a count error."""
+    if not devices or devices[0].platform != "cpu":
+        return ""
+    return (
+        "; on a CPU-only machine, simulate more devices by starting Python with "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=8 (set before JAX is imported)"
+    )
 
 
 def single_device_mesh(device: jax.Device | None = None) -> Mesh:
