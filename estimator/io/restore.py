@@ -34,7 +34,7 @@ from ..engine.state import (
     to_train_state,
     train_state_parts,
 )
-from ..errors import NoCheckpointError
+from ..errors import CheckpointError, NoCheckpointError
 from ..parallel import zero
 from ..parallel.mesh import DATA
 from ..spec import ModeKeys
@@ -43,6 +43,8 @@ from . import variables as variables_lib
 from .store import StateStore
 
 log = logging.getLogger("estimator")
+
+_ROTATION_RETRIES = 2  # reads of the newest step again when it is rotated away mid-read
 
 
 def _replicated(mesh: Mesh, tree: Any) -> Any:
@@ -144,12 +146,24 @@ def restore_variables(
                 shadow = variables_lib.moving_average_for_eval(last.state.opt_state)
                 return _averaged(_gathered(programs, variables), shadow, last.step), last.step
     template = abstract_variables(programs, mode, example, batch_size)
-    got = ckpts.restore_latest(variables=template, step=step, sources=sources(), allow_extra=True)
-    if got is None:
-        raise NoCheckpointError(f"Could not find trained model in model_dir: {model_dir}")
-    step, out = got
-    shadow = ckpts.moving_average_for_eval(step)
-    return _averaged(out["variables"], shadow, step), int(np.asarray(out["meta"]["global_step"]))
+    for attempt in range(_ROTATION_RETRIES + 1):
+        got = ckpts.restore_latest(
+            variables=template, step=step, sources=sources(), allow_extra=True
+        )
+        if got is None:
+            raise NoCheckpointError(f"Could not find trained model in model_dir: {model_dir}")
+        read, out = got
+        try:
+            shadow = ckpts.moving_average_for_eval(read)
+        except CheckpointError:
+            # A trainer rotating checkpoints away may delete the step between the two reads:
+            # read the newest again (a step asked for by path is not retried).
+            if step is not None or attempt == _ROTATION_RETRIES:
+                raise
+            continue
+        global_step = int(np.asarray(out["meta"]["global_step"]))
+        return _averaged(out["variables"], shadow, read), global_step
+    raise AssertionError("unreachable")  # the last attempt returns or raises
 
 
 def _averaged(variables: dict, shadow: dict | None, step: int) -> dict:

@@ -84,6 +84,7 @@ def test_steps_counts_from_the_checkpoint_and_names_itself(tmp_path, caplog):
     job = make_job(tmp_path, ipl=4)
     _train(job, max_steps=6)
     log: list = []
+    caplog.clear()  # the first call's lines, if an earlier test left the logger at INFO
     with caplog.at_level(logging.INFO, logger="estimator"):
         outcome = _train(job, hooks=[Recorder("a", log)], steps=3)
     assert outcome == TrainOutcome(9, EndReason.TARGET)
@@ -96,6 +97,7 @@ def test_nothing_to_do_runs_no_hook(tmp_path, caplog):
     job = make_job(tmp_path, ipl=4)
     _train(job, max_steps=6)
     log: list = []
+    caplog.clear()  # the first call's lines, if an earlier test left the logger at INFO
     with caplog.at_level(logging.INFO, logger="estimator"):
         outcome = _train(job, hooks=[Recorder("a", log)], max_steps=6)
         # A hook's planned last step already behind the checkpoint: nothing to do either.
