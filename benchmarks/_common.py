@@ -23,9 +23,11 @@ import json
 import os
 import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
@@ -48,6 +50,16 @@ def timed(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def interleave_settings(settings, cases, data, *, repeats: int, prefix: str) -> list:
+    """``[(setting, interleave(cases(setting, data, tmp)))]`` for each setting, the runs'
+    model_dirs under one temporary folder removed afterwards."""
+    tmp = tempfile.mkdtemp(prefix=prefix)
+    try:
+        return [(s, interleave(cases(s, data, tmp), repeats=repeats)) for s in settings]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def interleave(cases: dict[str, Callable[[], float]], *, repeats: int) -> dict[str, list[float]]:

@@ -148,13 +148,9 @@ def main(argv: list[str] | None = None) -> str:
         return ""
     args, repeats = started
     data = dataset_for(args.quick)
-    tmp = tempfile.mkdtemp(prefix="bench_host_call_")
-    try:
-        results = [
-            (s, C.interleave(cases(s, data, tmp), repeats=repeats)) for s in settings(args.quick)
-        ]
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    results = C.interleave_settings(
+        settings(args.quick), cases, data, repeats=repeats, prefix="bench_host_call_"
+    )
     keys = [f"0:{name}" for name in results[0][1]]
     mem = C.probe_all(__spec__.name, keys, quick=args.quick, skip=args.no_memory or args.quick)
     notes = [
