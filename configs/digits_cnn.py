@@ -26,6 +26,7 @@ def get_config() -> ml_collections.ConfigDict:
             "learning_rate": 3e-3,
             "weight_decay": 1e-4,
             "decay_steps": 600,
+            "moving_average_decay": 0.0,  # e.g. 0.999: evaluate averaged weights
             "write_summaries": True,
         }
     )

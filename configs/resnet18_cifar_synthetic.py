@@ -38,6 +38,7 @@ def get_config() -> ml_collections.ConfigDict:
             "warmup_steps": 5,
             "decay_steps": 100,
             "weight_decay": 5e-4,
+            "moving_average_decay": 0.0,  # e.g. 0.999: evaluate averaged weights
             "write_summaries": True,
         }
     )

@@ -34,6 +34,7 @@ def get_config() -> ml_collections.ConfigDict:
             "decay_steps": 1000,
             "weight_decay": 0.01,
             "grad_clip": 1.0,
+            "moving_average_decay": 0.0,  # e.g. 0.999: evaluate averaged weights
             "write_summaries": True,
         }
     )

@@ -56,7 +56,9 @@ def make_optimizer(params: dict) -> tuple[optax.GradientTransformation, optax.Sc
 
     ``params``: ``learning_rate``, ``decay_steps`` (cosine decay to 5%), ``weight_decay``,
     ``warmup_steps`` (linear warm-up, default 0) and ``optimizer``: ``"adamw"`` (default) or
-    ``"momentum"`` (SGD, Nesterov momentum 0.9, decoupled weight decay).
+    ``"momentum"`` (SGD, Nesterov momentum 0.9, decoupled weight decay);
+    ``moving_average_decay`` (default 0: none) keeps an ``ExponentialMovingAverage`` of the
+    weights (TF's ``num_updates`` rule) that evaluate, predict and export read.
 
     Raises:
       ValueError: an unknown ``params["optimizer"]``.
@@ -71,12 +73,16 @@ def make_optimizer(params: dict) -> tuple[optax.GradientTransformation, optax.Sc
         lr = optax.cosine_decay_schedule(peak, decay, alpha=0.05)
     name, wd = params.get("optimizer", "adamw"), params.get("weight_decay", 0.0)
     if name == "adamw":
-        return optax.adamw(lr, weight_decay=wd), lr
-    if name == "momentum":
-        return optax.chain(
-            optax.add_decayed_weights(wd), optax.sgd(lr, momentum=0.9, nesterov=True)
-        ), lr
-    raise ValueError(f"params['optimizer']={name!r}; expected 'adamw' or 'momentum'")
+        tx = optax.adamw(lr, weight_decay=wd)
+    elif name == "momentum":
+        tx = optax.chain(optax.add_decayed_weights(wd), optax.sgd(lr, momentum=0.9, nesterov=True))
+    else:
+        raise ValueError(f"params['optimizer']={name!r}; expected 'adamw' or 'momentum'")
+    decay = float(params.get("moving_average_decay", 0.0))
+    if decay > 0:  # EfficientNet's recipe: TF's num_updates rule, the averages evaluated
+        ema = estimator.ExponentialMovingAverage(decay, num_updates=True, use_for_eval=True)
+        tx = ema.apply(tx)
+    return tx, lr
 
 
 def classifier_model_fn(module: nn.Module):

@@ -91,36 +91,38 @@ def fast_compiles():
         jax.config.update("jax_disable_most_optimizations", before)
 
 
-def test_every_benchmark_runs_quick_and_prints_its_rows(capsys, fast_compiles, monkeypatch):
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_benchmark_runs_quick_and_prints_its_rows(name, capsys, fast_compiles, monkeypatch):
     monkeypatch.delenv("TPU_ESTIMATOR_TF_PYTHON", raising=False)  # no TensorFlow row
-    for name, expected in EXPECTED.items():
-        module = importlib.import_module(f"benchmarks.{name}")
-        text = module.main(["--quick"])
-        assert text in capsys.readouterr().out, name
-        rows = _rows(text)
-        assert len(rows) == len(expected), (name, rows)
-        for row, want in zip(rows, expected, strict=True):
-            assert _matches(row, want), (name, row, want)
-            numbers = [
-                float(c.replace(",", ""))
-                for c in row[len(want) :]
-                if re.fullmatch(r"[\d,]+(\.\d+)?(e[-+]\d+)?", c)
-            ]
-            # the first number is a throughput or a time; none is negative
-            assert numbers and numbers[0] > 0 and min(numbers) >= 0, (name, row)
-        assert "Machine:" in text, name
-        if name == "eval_throughput":
-            # every loop reports the hand-written loop's accuracy; a repeated evaluate
-            # compiles nothing
-            assert len({r[_column(text, "accuracy")] for r in rows}) == 1, rows
-            compiles = _column(text, "compiles per call")
-            assert [r[compiles] for r in rows if r[2] == "estimator"] == ["0"], rows
-        if name in ("startup", "vs_tensorflow"):  # a warm start loads every program
-            compiles = _column(text, "XLA compiles")
-            assert rows[1][compiles].startswith("0 ("), rows
-        if name == "train_throughput":  # a warm estimator's train call compiles nothing
-            compiles = _column(text, "compiles/call")
-            assert [r[compiles] for r in rows if r[2] == "estimator"] == ["0"], rows
+    expected = EXPECTED[name]
+    # one benchmark per test: a failure names it, and test workers share them out
+    module = importlib.import_module(f"benchmarks.{name}")
+    text = module.main(["--quick"])
+    assert text in capsys.readouterr().out, name
+    rows = _rows(text)
+    assert len(rows) == len(expected), (name, rows)
+    for row, want in zip(rows, expected, strict=True):
+        assert _matches(row, want), (name, row, want)
+        numbers = [
+            float(c.replace(",", ""))
+            for c in row[len(want) :]
+            if re.fullmatch(r"[\d,]+(\.\d+)?(e[-+]\d+)?", c)
+        ]
+        # the first number is a throughput or a time; none is negative
+        assert numbers and numbers[0] > 0 and min(numbers) >= 0, (name, row)
+    assert "Machine:" in text, name
+    if name == "eval_throughput":
+        # every loop reports the hand-written loop's accuracy; a repeated evaluate
+        # compiles nothing
+        assert len({r[_column(text, "accuracy")] for r in rows}) == 1, rows
+        compiles = _column(text, "compiles per call")
+        assert [r[compiles] for r in rows if r[2] == "estimator"] == ["0"], rows
+    if name in ("startup", "vs_tensorflow"):  # a warm start loads every program
+        compiles = _column(text, "XLA compiles")
+        assert rows[1][compiles].startswith("0 ("), rows
+    if name == "train_throughput":  # a warm estimator's train call compiles nothing
+        compiles = _column(text, "compiles/call")
+        assert [r[compiles] for r in rows if r[2] == "estimator"] == ["0"], rows
 
 
 def _column(text: str, title: str) -> int:

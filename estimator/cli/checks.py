@@ -45,6 +45,8 @@ TPU_CONFIG_FIELDS = {
     "unroll_loops": "unroll_loops",
     "shard_optimizer_state": "shard_optimizer_state",
     "shard_params": "shard_params",
+    "compute_dtype": "compute_dtype",
+    "num_microbatches": "num_microbatches",
 }
 # The step directory names of estimator/io/step_names.py (which imports Orbax, hence JAX).
 _STEP = re.compile(r"model\.ckpt-(0|[1-9]\d*)")
@@ -59,11 +61,11 @@ class NoCheckpointInModelDir(UsageError, NoCheckpointError):
 def given_fields(config: Any, fields: dict[str, str]) -> dict:
     """The ``fields`` (config key -> argument) the config sets, as arguments.
 
-    0 / "" mean "not set" for the optional ``num_cores_per_replica`` and
+    0 / "" mean "not set" for the optional ``num_cores_per_replica``, ``compute_dtype`` and
     ``compilation_cache_dir`` (None cannot be overridden from the command line with a typed
     value).
     """
-    unset = {"num_cores_per_replica": 0, "compilation_cache_dir": ""}
+    unset = {"num_cores_per_replica": 0, "compilation_cache_dir": "", "compute_dtype": ""}
     return {
         arg: config[key]
         for key, arg in fields.items()

@@ -25,6 +25,9 @@ import ml_collections
 from .usage import UsageError, did_you_mean, packaged_configs
 
 DEFAULT_CONFIG = "digits_mlp"
+# Trainer features every config takes from the command line (--config.compute_dtype=bfloat16,
+# --config.num_microbatches=4), added to a config that does not set them; "" is float32.
+TRAINER_DEFAULTS = {"compute_dtype": "", "num_microbatches": 1}
 
 
 def load_config(path: str | None = None) -> ml_collections.ConfigDict:
@@ -51,7 +54,15 @@ def load_config(path: str | None = None) -> ml_collections.ConfigDict:
         module = importlib.import_module(f"configs.{name}")
     if not callable(getattr(module, "get_config", None)):
         raise UsageError(f"--config {path}: the file defines no get_config()")
-    return module.get_config()
+    return _with_trainer_defaults(module.get_config())
+
+
+def _with_trainer_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    missing = {k: v for k, v in TRAINER_DEFAULTS.items() if k not in config}
+    if missing:
+        with config.unlocked():
+            config.update(missing)
+    return config
 
 
 def flat_fields(config: ml_collections.ConfigDict, prefix: str = "") -> dict[str, Any]:

@@ -98,6 +98,17 @@ class StartupSummaryHook(hooks_lib.SessionRunHook):
                 log.debug("Train loop memory per device: %s", line)
 
 
+def _trainer_features(tpu_config: Any, replica_batch: int) -> str:
+    """The mixed-precision and micro-batch settings, where set, for the start-up line."""
+    out = ""
+    if tpu_config.compute_dtype is not None:
+        out += f"; compute_dtype {tpu_config.compute_dtype} (float32 weights)"
+    k = tpu_config.num_microbatches
+    if k > 1:
+        out += f"; num_microbatches {k} ({replica_batch // k} rows each)"
+    return out
+
+
 def log_startup_summary(
     mesh: Mesh,
     config: RunConfig,
@@ -119,7 +130,7 @@ def log_startup_summary(
     log.info(
         "Training on %d %s device(s) (%s), %d process(es); mesh %s; global batch %d, "
         "per-replica batch %d, %d replica(s); %s parameters; per device: parameters %s, "
-        "optimizer state %s; iterations_per_loop %d; from step %d%s; first step after %.2f s.",
+        "optimizer state %s; iterations_per_loop %d%s; from step %d%s; first step after %.2f s.",
         len(devices),
         devices[0].platform,
         ", ".join(kinds),
@@ -132,6 +143,7 @@ def log_startup_summary(
         format_bytes(zero.bytes_per_device(params)),
         format_bytes(zero.bytes_per_device(opt_state)),
         config.tpu_config.iterations_per_loop,
+        _trainer_features(config.tpu_config, replica_batch),
         start_step,
         "" if target is None else f" to step {target}",
         first_step_secs,

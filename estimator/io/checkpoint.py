@@ -342,6 +342,8 @@ class Checkpoints:
         self._wait()  # Orbax waits too; the last rotation is done
         self._purge_rotated()
         self._writing = step
+        # Recorded so that evaluate can skip reading the train item's metadata for a shadow.
+        meta = {**meta, "moving_average": variables_lib.has_moving_average(train)}
         try:
             saved = self._manager.save(
                 step,

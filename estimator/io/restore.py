@@ -154,7 +154,9 @@ def restore_variables(
             raise NoCheckpointError(f"Could not find trained model in model_dir: {model_dir}")
         read, out = got
         try:
-            shadow = ckpts.moving_average_for_eval(read)
+            # Checkpoints written before the flag existed are looked into.
+            has = out["meta"].get("moving_average", True)
+            shadow = ckpts.moving_average_for_eval(read) if has else None
         except CheckpointError:
             # A trainer rotating checkpoints away may delete the step between the two reads:
             # read the newest again (a step asked for by path is not retried).

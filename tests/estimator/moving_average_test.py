@@ -244,3 +244,27 @@ def test_ported_saver_route_reads_the_shadow(tmp_path, initial):
     est = h.make_estimator(tmp_path / "ported", model_fn, ipl=2)
     _train(est, 4)
     assert _evaluate(h.make_estimator(tmp_path / "ported", model_fn, ipl=2)) == _evaluate(initial)
+
+
+def test_evaluate_from_disk_looks_for_a_shadow_only_where_the_meta_says_one_was_saved(
+    tmp_path, monkeypatch
+):
+    from estimator.io import checkpoint as ckpt_lib
+
+    plain = _est(tmp_path, "plain", lambda: optax.sgd(0.5))
+    ema = estimator.ExponentialMovingAverage(0.5, use_for_eval=True)
+    avg = _est(tmp_path, "avg", lambda: ema.apply(optax.sgd(0.5)))
+    _train(plain, 2), _train(avg, 2)
+    read = []
+    original = ckpt_lib.Checkpoints._metadata
+
+    def recording(self, step, item):
+        read.append(item)
+        return original(self, step, item)
+
+    monkeypatch.setattr(ckpt_lib.Checkpoints, "_metadata", recording)
+    expected_plain = _evaluate(plain)
+    assert _evaluate(_est(tmp_path, "plain", lambda: None)) == expected_plain
+    assert "train" not in read  # the meta said no moving average: nothing else is opened
+    assert _evaluate(_est(tmp_path, "avg", lambda: None)) == _evaluate(avg)
+    assert "train" in read  # the shadow is found from the train item's metadata

@@ -242,3 +242,29 @@ def test_stdout_holds_only_the_result():
     assert out.returncode == 0, out.stderr
     assert out.stdout == '{"global_step": 1}\n'
     assert "[Gloo] Rank 0 is connected" in out.stderr and "a library's print" in out.stderr
+
+
+def test_trainer_features_from_the_command_line(tmp_path, capsys, caplog):
+    from estimator.io.checkpoint_utils import list_variables, load_variable
+
+    args = [
+        *SMALL,
+        "--model_dir",
+        str(tmp_path),
+        "--config.compute_dtype=bfloat16",
+        "--config.num_microbatches=2",
+        "--config.model_params.moving_average_decay=0.9",
+    ]
+    with caplog.at_level("INFO", logger="estimator"):
+        assert cli.main(["train_and_evaluate", *args]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["global_step"] == 40 and result["accuracy"] > 0.5
+    names = dict(list_variables(str(tmp_path)))
+    shadows = [n for n in names if n.endswith("/ExponentialMovingAverage")]
+    assert shadows and all(names[n] == names[n.rsplit("/", 1)[0]] for n in shadows)
+    kernel = next(n for n in names if n.endswith("kernel"))
+    assert load_variable(str(tmp_path), kernel).dtype == np.float32  # float32 masters
+    assert "compute_dtype bfloat16 (float32 weights); num_microbatches 2 (8 rows each)" in (
+        caplog.text
+    )
+    assert "Using the moving averages of the parameters" in caplog.text

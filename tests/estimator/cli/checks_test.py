@@ -60,6 +60,8 @@ CASES = [
         "the directory",
     ),
     (["export", "--model_dir", "EMPTY", "--export_dir", "A_FILE"], "is a file"),
+    (["train", "--config.compute_dtype=bf16"], "compute_dtype must be None, 'bfloat16'"),
+    (["train", "--config.num_microbatches=0"], "num_microbatches must be positive"),
 ]
 
 
