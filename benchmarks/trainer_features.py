@@ -10,7 +10,9 @@ steady-state examples/s (median over interleaved repeats, timed between the firs
 last device loop of each ``train`` call) and its ratio to ``plain`` within each repeat.
 Rows: ``plain``; ``compute_dtype=bfloat16`` (the policy) and ``bf16 by hand`` (the same MLP
 written with ``dtype=jnp.bfloat16`` layers, the target: the policy no slower than it);
-``num_microbatches=4``. A row is one entry of ``FEATURES`` (``TPUConfig`` arguments and
+``num_microbatches=4``; then ``plain`` and ``num_microbatches=4`` at 8x the global batch
+(2048: micro-batches of 64 rows a replica, where accumulation is used), each row compared
+with ``plain`` at its batch. A row is one entry of ``FEATURES`` (``TPUConfig`` arguments and
 model params), so adding a feature's row is one line.
 
 Memory: a large-activation model (an MLP 64-512x4-10 on a global batch of 32768, 4096 rows
@@ -42,17 +44,23 @@ from benchmarks import _common as C
 
 
 class Feature(NamedTuple):
-    """One throughput row: ``TPUConfig`` arguments and model params (read by ``_model_fn``)."""
+    """One throughput row: ``TPUConfig`` arguments, model params (read by ``_model_fn``) and
+    the global batch as a multiple of the default one (compared with ``plain`` at it)."""
 
     tpu: dict
     params: dict = {}
+    batch_times: int = 1
 
 
+# Micro-batches are for batches too large for a step: the second pair runs them where each
+# micro-batch is 64 rows a replica (global batch 2048), not 8.
 FEATURES: dict[str, Feature] = {
     "plain": Feature({}),
     "compute_dtype=bfloat16": Feature({"compute_dtype": "bfloat16"}),
     "bf16 by hand (dtype=)": Feature({}, {"dtype": "bfloat16"}),
     "num_microbatches=4": Feature({"num_microbatches": 4}),
+    "plain, batch x8": Feature({}, {}, 8),
+    "num_microbatches=4, batch x8": Feature({"num_microbatches": 4}, {}, 8),
 }
 IPL = 100
 FEATURES_IN, CLASSES = 64, 10
@@ -110,30 +118,36 @@ def make_estimator(model_dir: str, *, ipl: int, batch: int, tpu: dict, params: d
 
 def throughput_rows(quick: bool, repeats: int, tmp: str) -> tuple[list[list], dict]:
     size = sizes(quick)
-    x, y = _data(size["batches"], size["batch"], FEATURES_IN)
-    input_fn = _input_fn(x, y)
+    batches = {f.batch_times * size["batch"] for f in FEATURES.values()}
+    input_fns = {b: _input_fn(*_data(size["batches"], b, FEATURES_IN)) for b in batches}
+
+    def batch_of(f: Feature) -> int:
+        return f.batch_times * size["batch"]
+
     ests = {
         name: make_estimator(
             f"{tmp}/{i}",
             ipl=size["ipl"],
-            batch=size["batch"],
+            batch=batch_of(f),
             tpu=f.tpu,
             params={"hidden": size["hidden"], **f.params},
         )
         for i, (name, f) in enumerate(FEATURES.items())
     }
-    for est in ests.values():
-        C.warm_up(est, input_fn, size["ipl"])
+    for name, est in ests.items():
+        C.warm_up(est, input_fns[batch_of(FEATURES[name])], size["ipl"])
+    fns = {k: input_fns[batch_of(FEATURES[k])] for k in ests}
     times = C.interleave(
-        {k: (lambda e=e: C.timed_train(e, input_fn, size["steps"])) for k, e in ests.items()},
+        {k: (lambda e=e, k=k: C.timed_train(e, fns[k], size["steps"])) for k, e in ests.items()},
         repeats=repeats,
     )
-    base = [t.per_step for t in times["plain"]]
+    plain = {f.batch_times: name for name, f in FEATURES.items() if not f.tpu and not f.params}
     rows = []
-    for name in FEATURES:
+    for name, f in FEATURES.items():
         per_step = [t.per_step for t in times[name]]
+        base = [t.per_step for t in times[plain[f.batch_times]]]
         rows.append(
-            [name, size["batch"] / statistics.median(per_step), C.median_ratio(base, per_step)]
+            [name, batch_of(f) / statistics.median(per_step), C.median_ratio(base, per_step)]
         )
     return rows, size
 

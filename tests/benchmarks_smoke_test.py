@@ -54,6 +54,8 @@ EXPECTED = {
         ("compute_dtype=bfloat16",),
         ("bf16 by hand (dtype=)",),
         ("num_microbatches=4",),
+        ("plain, batch x8",),
+        ("num_microbatches=4, batch x8",),
         ("1",),
         ("4",),
     ],

@@ -221,8 +221,7 @@ class TrainerLock:
                 return
             self._warn_taking_over(holder)
             os.ftruncate(fd, 0)
-            os.pwrite(fd, self._mine(), 0)
-            os.fsync(fd)
+            os.pwrite(fd, self._mine(), 0)  # other processes read it now; fsync'd by _heartbeat
         except BaseException:
             if fd >= 0:
                 os.close(fd)
@@ -311,6 +310,11 @@ class TrainerLock:
         )
 
     def _heartbeat(self) -> None:
+        # The holder's name reaches the disk (and a network file system's other hosts) here,
+        # off the train call's path: one fsync can wait for the file system's other writes
+        # (0.5 s seen after a cold job filled the compilation cache).
+        with contextlib.suppress(OSError):
+            os.fsync(self._fd)
         while not self._stop.wait(HEARTBEAT_SECS):
             with contextlib.suppress(OSError):
                 os.utime(self.path)
