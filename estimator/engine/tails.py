@@ -15,7 +15,10 @@ call of a new length took (tracing and compiling: the device work is queued, not
 for) and the device seconds per step of calls whose program already existed
 (``CallCosts``). Before any step time is known (the tail is in the first call), padding wins
 where it saves programs and adds at most ``UNMEASURED_PAD_STEPS`` steps per program saved;
-ties go to the split (no wasted steps). Training never
+ties go to the split (no wasted steps). The padding is paid again by every evaluate that
+ends the same way, the compile once: the padding steps already run count against padding
+(the ski-rental rule), so repeated evaluations compile the tail's programs once the padding
+they wasted would have paid for them, and run it split from then on. Training never
 pads: a padded train step would still update the state (docs/design.md, "Tail calls").
 
 Example:
@@ -31,12 +34,15 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..data import plan
+
+log = logging.getLogger("estimator")
 
 # Before a step was timed: how many padding steps are taken as cheaper than one program's
 # compile. An assumption, chosen so that padding at most one merged eval call of 8 loops of
@@ -53,6 +59,7 @@ def pad_tail(
     compiled: set[int],
     compile_s: float | None,
     step_s: float | None,
+    padded: int = 0,
 ) -> bool:
     """Whether ``real`` steps of a call planned at ``planned`` run padded to it (True) or
     split into calls of their own (False, ``plan.split_steps(real, loop)``).
@@ -64,6 +71,7 @@ def pad_tail(
       compiled: the call lengths whose program exists already.
       compile_s: seconds one new program costs (None: not measured yet).
       step_s: device seconds per step (None: not measured yet).
+      padded: padding steps earlier tails of this program family already ran.
     """
     split = set(plan.split_steps(real, loop))
     new_split = len(split - compiled)
@@ -71,7 +79,8 @@ def pad_tail(
     if step_s is None or compile_s is None:
         saved = new_split - new_pad
         return saved > 0 and planned - real <= UNMEASURED_PAD_STEPS * saved
-    return (planned - real) * step_s + new_pad * compile_s < new_split * compile_s
+    waste = (padded + planned - real) * step_s
+    return waste + new_pad * compile_s < new_split * compile_s
 
 
 class CallCosts:
@@ -89,6 +98,7 @@ class CallCosts:
         self.compile_s: list[float] = []
         self._step_sum, self._step_count = 0.0, 0
         self._last_done: float | None = None
+        self.padded = 0  # padding steps the tails chosen padded have run
 
     @property
     def step_s(self) -> float | None:
@@ -132,14 +142,26 @@ class CallCosts:
         """``pad_tail`` with what was measured so far."""
         with self._lock:
             compile_s = max(self.compile_s) if self.compile_s else None
-            return pad_tail(
+            padded = pad_tail(
                 real,
                 planned,
                 loop,
                 compiled=set(self.lengths),
                 compile_s=compile_s,
                 step_s=self.step_s,
+                padded=self.padded,
             )
+            if padded:
+                self.padded += planned - real
+            elif self.padded and set(plan.split_steps(real, loop)) - self.lengths:
+                log.info(
+                    "The input's last %d steps now run as calls of their own (compiled once): "
+                    "the %d padding steps earlier calls ran have cost about as much as that "
+                    "compile",
+                    real,
+                    self.padded,
+                )
+            return padded
 
 
 def measured(

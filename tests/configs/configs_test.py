@@ -76,3 +76,32 @@ def test_config_trains_evaluates_and_predicts_on_8_replicas(name, tmp_path, requ
     label_shape = np.shape(next(iter(input_fns["eval"]({"batch_size": 1})))[1][0])
     key = "next_token" if "next_token" in first else "class_ids"
     assert np.shape(first[key]) == label_shape
+
+
+_FEATURES = {
+    "compute_dtype": "bfloat16",
+    "num_microbatches": 2,
+    "model_params.moving_average_decay": 0.9,
+}
+
+
+@pytest.mark.parametrize("name", ["resnet18_cifar_synthetic", "transformer_lm"])
+def test_trainer_features_together_on_the_zoo(name, tmp_path, request, caplog):
+    """bf16 compute, micro-batches and moving averages on BatchNorm (ResNet) and attention
+    (the LM): every stored variable stays float32 and evaluate reads the averages."""
+    if name in _FAST_COMPILE:
+        request.getfixturevalue("fast_compile")
+    est, input_fns, config = build_job(name, tmp_path, **_COMMON, **SHRINK[name], **_FEATURES)
+    est.train(input_fns["train"], max_steps=config.max_steps)
+    names = est.get_variable_names()
+    assert any(n.endswith("/ExponentialMovingAverage") for n in names)
+    stats = [n for n in names if "batch_stats" in n or n.endswith(("/mean", "/var"))]
+    assert name != "resnet18_cifar_synthetic" or stats  # BatchNorm's statistics are there
+    floats = {n: est.get_variable_value(n) for n in names if n != "global_step"}
+    wide = {n: v.dtype for n, v in floats.items() if np.issubdtype(v.dtype, np.floating)}
+    assert wide and set(wide.values()) == {np.dtype(np.float32)}, wide
+    assert all(np.isfinite(v).all() for v in floats.values() if v.dtype.kind == "f")
+    with caplog.at_level("INFO", logger="estimator"):
+        results = est.evaluate(input_fns["eval"], steps=config.eval_steps or None)
+    assert math.isfinite(results["loss"]) and math.isfinite(results[config.target_metric])
+    assert "Using the moving averages of the parameters" in caplog.text

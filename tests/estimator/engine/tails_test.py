@@ -77,3 +77,23 @@ def test_a_program_compiling_ahead_counts_as_existing():
     assert costs.pad(29, 32, 4)  # the eval program compiling ahead makes the padded call free
     done(1.5)
     assert costs.compile_s == [1.5]
+
+
+def test_repeated_tails_compile_their_program_once_padding_would_have_paid_for_it():
+    """Ski rental: each evaluate's padded tail wastes steps again, the compile is paid
+    once; once the padding already run (plus this tail's) costs more than the compile, the
+    tail runs split, as the benchmark's CNN evaluation (100 steps in calls of 30) does."""
+    costs = tails.CallCosts()
+    costs.lengths, costs.compile_s = {30}, [0.2]
+    costs._step_sum, costs._step_count = 0.02 * 30, 30  # 20 ms a step
+    decisions = [costs.pad(10, 30, 10) for _ in range(4)]
+    # 20 padding steps are 0.4 s: more than one program (0.2 s) at once: split at once.
+    assert decisions == [False] * 4
+    cheap = tails.CallCosts()
+    cheap.lengths, cheap.compile_s = {30}, [0.2]
+    cheap._step_sum, cheap._step_count = 0.002 * 30, 30  # 2 ms a step: 40 ms per tail
+    decisions = [cheap.pad(10, 30, 10) for _ in range(6)]
+    assert decisions == [True, True, True, True, False, False]  # 160 ms, then 200 >= 200
+    assert cheap.padded == 80
+    assert tails.pad_tail(10, 30, 10, compiled={30}, compile_s=0.2, step_s=0.002, padded=0)
+    assert not tails.pad_tail(10, 30, 10, compiled={30}, compile_s=0.2, step_s=0.002, padded=100)
