@@ -80,11 +80,17 @@ def test_an_input_exactly_as_long_as_max_steps_still_ends_at_the_target(tmp_path
     assert _end_lines(caplog) == ["Training stopped at global step 6: max_steps=6 reached."]
 
 
-def test_steps_counts_from_the_checkpoint_and_names_itself(tmp_path, caplog):
+def _trained_to_6(tmp_path, caplog):
+    """A job whose checkpoint is at step 6, the log lines of that first call dropped."""
     job = make_job(tmp_path, ipl=4)
     _train(job, max_steps=6)
-    log: list = []
     caplog.clear()  # the first call's lines, if an earlier test left the logger at INFO
+    return job
+
+
+def test_steps_counts_from_the_checkpoint_and_names_itself(tmp_path, caplog):
+    job = _trained_to_6(tmp_path, caplog)
+    log: list = []
     with caplog.at_level(logging.INFO, logger="estimator"):
         outcome = _train(job, hooks=[Recorder("a", log)], steps=3)
     assert outcome == TrainOutcome(9, EndReason.TARGET)
@@ -94,10 +100,8 @@ def test_steps_counts_from_the_checkpoint_and_names_itself(tmp_path, caplog):
 
 
 def test_nothing_to_do_runs_no_hook(tmp_path, caplog):
-    job = make_job(tmp_path, ipl=4)
-    _train(job, max_steps=6)
+    job = _trained_to_6(tmp_path, caplog)
     log: list = []
-    caplog.clear()  # the first call's lines, if an earlier test left the logger at INFO
     with caplog.at_level(logging.INFO, logger="estimator"):
         outcome = _train(job, hooks=[Recorder("a", log)], max_steps=6)
         # A hook's planned last step already behind the checkpoint: nothing to do either.
