@@ -1,4 +1,4 @@
-"""Silences one kind of noise Orbax leaves behind a failed read: ``Event loop is closed``.
+"""Silences the two kinds of noise Orbax leaves behind a failed read.
 
 Orbax reads a checkpoint's arrays and metadata with ``asyncio.run`` over many TensorStore
 futures. When one fails (a damaged step, which the estimator then skips for an older one),
@@ -7,10 +7,18 @@ TensorStore's thread calls ``loop.call_soon_threadsafe`` on the closed loop, and
 a ``RuntimeError: Event loop is closed`` traceback through ``sys.unraisablehook`` (six lines
 each, several per damaged step) long after the step was reported in one warning.
 
-``install()`` wraps ``sys.unraisablehook`` once per process to drop exactly those: a
-``RuntimeError`` whose message is ``Event loop is closed`` raised in asyncio's
-``call_soon_threadsafe``, with no object (TensorStore's callback). Everything else goes to the
-hook that was there before.
+The same race has a second face: the other futures of the read fail too (every array of a
+damaged step is unreadable), nobody awaits them any more, and when their tasks are collected
+asyncio logs ``ERROR:asyncio:Task exception was never retrieved`` with a seven-line traceback
+per array. The first failure already reached the estimator, which named the step in its
+warning; these are the same damage told again, at random (a race, about one run in eight).
+
+``install()`` acts once per process. It wraps ``sys.unraisablehook`` to drop exactly the first
+kind: a ``RuntimeError`` whose message is ``Event loop is closed`` raised in asyncio's
+``call_soon_threadsafe``, with no object (TensorStore's callback). It adds a filter to the
+``asyncio`` logger that drops exactly the second: a never-retrieved exception of the task
+that ``asyncio.gather`` wraps around a non-coroutine awaitable (``_wrap_awaitable``) whose
+error is TensorStore's (its message carries ``tensorstore_spec``). Everything else passes.
 
 Example:
   >>> install()  # idempotent; Checkpoints calls it
@@ -42,6 +50,25 @@ def is_closed_loop_noise(unraisable: Any) -> bool:
     return any(f.name == "call_soon_threadsafe" and "asyncio" in f.filename for f in frames)
 
 
+def is_unretrieved_read_noise(record: logging.LogRecord) -> bool:
+    """Whether an ``asyncio`` log record is a TensorStore read's never-retrieved failure."""
+    if not record.getMessage().startswith("Task exception was never retrieved"):
+        return False
+    if "coro=<_wrap_awaitable()" not in record.getMessage() or not record.exc_info:
+        return False
+    error = record.exc_info[1]
+    return isinstance(error, Exception) and "tensorstore_spec" in str(error)
+
+
+class _UnretrievedReadFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        global _dropped
+        if is_unretrieved_read_noise(record):
+            _dropped += 1
+            return False
+        return True
+
+
 def install() -> None:
     """Installs the filter (once per process; later calls do nothing)."""
     global _installed
@@ -61,3 +88,4 @@ def install() -> None:
             previous(unraisable)
 
         sys.unraisablehook = hook
+        logging.getLogger("asyncio").addFilter(_UnretrievedReadFilter())

@@ -2,9 +2,10 @@
 
 A meta whose ``checksum`` entry was deleted was trusted as a checkpoint from before checksums;
 a meta nested 100,000 levels deep raised a raw ``RecursionError``; the fallback from a
-damaged step printed Orbax's ``Event loop is closed`` tracebacks. Each damaged step must be
-skipped for the next newest (compared bitwise with an uninterrupted run), moved aside, never
-deleted.
+damaged step printed Orbax's ``Event loop is closed`` and, at random, asyncio's
+``Task exception was never retrieved`` tracebacks (CI failed on the second). Each damaged
+step must be skipped for the next newest (compared bitwise with an uninterrupted run), moved
+aside, never deleted.
 """
 
 from __future__ import annotations
@@ -172,3 +173,40 @@ def test_the_noise_filter_drops_only_the_closed_loop_callback_error():
 
     seen = [orbax_noise.is_closed_loop_noise(U(e)) for e in (closed, other)]
     assert seen == [True, False]
+
+
+class _Failing:
+    """An awaitable that is not a coroutine (as TensorStore's futures are), failing at once."""
+
+    def __init__(self, message):
+        self.message = message
+
+    def __await__(self):
+        raise ValueError(self.message)
+        yield  # a generator, so ``await`` accepts it
+
+
+def _unretrieved_errors_logged(message, caplog) -> list[str]:
+    """Awaits the first of two failing reads, as Orbax does; returns what asyncio logged."""
+    import asyncio
+    import gc
+
+    async def read():
+        first, second = (asyncio.ensure_future(_Failing(message)) for _ in range(2))
+        await asyncio.sleep(0)  # both finish, failing; only the first is awaited
+        await first
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        with pytest.raises(ValueError):
+            asyncio.run(read())
+        gc.collect()
+    return [r.getMessage() for r in caplog.records if r.name == "asyncio"]
+
+
+def test_the_noise_filter_drops_only_a_tensorstore_reads_unretrieved_failure(caplog):
+    orbax_noise.install()
+    ts_error = 'DATA_LOSS: Error reading [tensorstore_spec=\'{"driver":"zarr"}\']'
+    assert _unretrieved_errors_logged(ts_error, caplog) == []
+    caplog.clear()
+    kept = _unretrieved_errors_logged("a failure of someone else's task", caplog)
+    assert kept and all(m.startswith("Task exception was never retrieved") for m in kept)
