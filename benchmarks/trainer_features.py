@@ -15,6 +15,12 @@ written with ``dtype=jnp.bfloat16`` layers, the target: the policy no slower tha
 with ``plain`` at its batch. A row is one entry of ``FEATURES`` (``TPUConfig`` arguments and
 model params), so adding a feature's row is one line.
 
+Micro-batches against hand-written accumulation: the same MLP trained by a hand-written
+``jit(shard_map(scan(step)))`` loop (``_workloads``' ceiling), plain and with its step's
+gradient summed over 4 micro-batches by a ``lax.scan`` (what a user would write), timed in
+the same interleaved repeats; ``hand-written vs plain`` is what accumulation costs at all on
+this machine, ``estimator / hand-written`` what the estimator's micro-batches add to that.
+
 Memory: a large-activation model (an MLP 64-512x4-10 on a global batch of 32768, 4096 rows
 per replica, so the activations, 8 MiB a layer, dwarf the 0.8 M parameters) compiled with
 ``num_microbatches`` 1, 2, 4, 8; the train loop's ``temp_size_in_bytes`` from XLA's
@@ -41,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 import estimator
 from benchmarks import _common as C
+from benchmarks import _workloads as W
 
 
 class Feature(NamedTuple):
@@ -116,6 +123,90 @@ def make_estimator(model_dir: str, *, ipl: int, batch: int, tpu: dict, params: d
     return estimator.TPUEstimator(_model_fn, config=config, params=params, train_batch_size=batch)
 
 
+class _MLP(nn.Module):
+    hidden: int
+
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(2):
+            x = nn.relu(nn.Dense(self.hidden)(x))
+        return nn.Dense(CLASSES)(x)
+
+
+def hand_written_loop(hidden: int, k: int, mesh) -> Callable:
+    """``_workloads``' ceiling loop for this MLP, its gradient summed over ``k`` micro-batches
+    (a ``lax.scan`` over the replica's rows, split ``k`` ways) when ``k > 1``."""
+    tx, module = optax.adam(1e-3), _MLP(hidden)
+
+    def loss_fn(params, x, y):
+        logits = module.apply({"params": params}, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    def grads_of(params, x, y):
+        if k == 1:
+            return jax.value_and_grad(loss_fn)(params, x, y)
+        parts = jax.tree.map(lambda a: a.reshape(k, -1, *a.shape[1:]), (x, y))
+
+        def body(acc, part):
+            return jax.tree.map(jnp.add, acc, jax.value_and_grad(loss_fn)(params, *part)), None
+
+        zero = (
+            jax.lax.pcast(jnp.zeros(()), W.DATA, to="varying"),
+            jax.tree.map(jnp.zeros_like, params),
+        )
+        total, _ = jax.lax.scan(body, zero, parts)
+        return jax.tree.map(lambda a: a / k, total)
+
+    def step(state, batch):
+        params, opt_state = state
+        varying = jax.tree.map(lambda a: jax.lax.pcast(a, W.DATA, to="varying"), params)
+        loss, grads = grads_of(varying, *batch)
+        grads, loss = jax.lax.pmean(grads, W.DATA), jax.lax.pmean(loss, W.DATA)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+
+    def loop(state, xs, ys):
+        return jax.lax.scan(step, state, (xs, ys))
+
+    specs = (P(), P(None, W.DATA), P(None, W.DATA))
+    sharded = jax.shard_map(loop, mesh=mesh, in_specs=specs, out_specs=(P(), P()))
+    return jax.jit(sharded, donate_argnums=0)
+
+
+def hand_written_case(size: dict, batch: int, k: int, mesh) -> Callable[[], C.Timing]:
+    """A timed run of ``size["steps"]`` steps of the hand-written loop (Timing as estimator
+    runs: steady state between the ends of the first and the last loop call)."""
+    x, y = _data(size["batches"], batch, FEATURES_IN)
+    ipl = size["ipl"]
+    picks = [i % size["batches"] for i in range(ipl)]
+    chunk = jax.device_put((x[picks], y[picks]), NamedSharding(mesh, P(None, W.DATA)))
+    loop = hand_written_loop(size["hidden"], k, mesh)
+    params = _MLP(size["hidden"]).init(jax.random.key(0), x[0, :1])["params"]
+    box = [jax.device_put((params, optax.adam(1e-3).init(params)), NamedSharding(mesh, P()))]
+    box[0], loss = loop(box[0], *chunk)  # compiled here, not in a timed run
+    loss.block_until_ready()
+
+    def run() -> C.Timing:
+        start, stamps = C.now(), []
+        for _ in range(size["steps"] // ipl):
+            box[0], loss = loop(box[0], *chunk)
+            loss.block_until_ready()
+            stamps.append(C.now())
+        per_step = C.steady_per_step(stamps, ipl * (len(stamps) - 1))
+        return C.Timing(stamps[-1] - start, per_step)
+
+    return run
+
+
+#: Hand-written rows: (name, batch multiple, micro-batches), each against its plain row.
+HAND_WRITTEN = (
+    ("hand-written, plain", 1, 1),
+    ("hand-written, 4 micro-batches", 1, 4),
+    ("hand-written, plain, batch x8", 8, 1),
+    ("hand-written, 4 micro-batches, batch x8", 8, 4),
+)
+
+
 def throughput_rows(quick: bool, repeats: int, tmp: str) -> tuple[list[list], dict]:
     size = sizes(quick)
     batches = {f.batch_times * size["batch"] for f in FEATURES.values()}
@@ -137,10 +228,11 @@ def throughput_rows(quick: bool, repeats: int, tmp: str) -> tuple[list[list], di
     for name, est in ests.items():
         C.warm_up(est, input_fns[batch_of(FEATURES[name])], size["ipl"])
     fns = {k: input_fns[batch_of(FEATURES[k])] for k in ests}
-    times = C.interleave(
-        {k: (lambda e=e, k=k: C.timed_train(e, fns[k], size["steps"])) for k, e in ests.items()},
-        repeats=repeats,
-    )
+    cases = {k: (lambda e=e, k=k: C.timed_train(e, fns[k], size["steps"])) for k, e in ests.items()}
+    mesh = next(iter(ests.values())).mesh
+    for name, times_batch, k in HAND_WRITTEN:
+        cases[name] = hand_written_case(size, times_batch * size["batch"], k, mesh)
+    times = C.interleave(cases, repeats=repeats)
     plain = {f.batch_times: name for name, f in FEATURES.items() if not f.tpu and not f.params}
     rows = []
     for name, f in FEATURES.items():
@@ -149,7 +241,37 @@ def throughput_rows(quick: bool, repeats: int, tmp: str) -> tuple[list[list], di
         rows.append(
             [name, batch_of(f) / statistics.median(per_step), C.median_ratio(base, per_step)]
         )
-    return rows, size
+    return rows, size, micro_rows(times, size)
+
+
+def micro_rows(times: dict, size: dict) -> list[list]:
+    """Each micro-batch row: hand-written accumulation vs its plain loop, ours vs plain, and
+    ours over hand-written (1 = the estimator adds nothing to what accumulation costs)."""
+
+    def steps(name):
+        return [t.per_step for t in times[name]]
+
+    out = []
+    for ours, ours_plain, times_batch in (
+        ("num_microbatches=4", "plain", 1),
+        ("num_microbatches=4, batch x8", "plain, batch x8", 8),
+    ):
+        suffix = ", batch x8" if times_batch == 8 else ""
+        hand, hand_plain = f"hand-written, 4 micro-batches{suffix}", f"hand-written, plain{suffix}"
+        hand_ratio = C.median_ratio(steps(hand_plain), steps(hand))
+        ours_ratio = C.median_ratio(steps(ours_plain), steps(ours))
+        rows_per = times_batch * size["batch"] // jax.device_count() // 4
+        out.append(
+            [
+                times_batch * size["batch"],
+                rows_per,
+                size["batch"] * times_batch / statistics.median(steps(hand)),
+                hand_ratio,
+                ours_ratio,
+                C.median_ratio(steps(hand), steps(ours)),
+            ]
+        )
+    return out
 
 
 def loop_temp_bytes(k: int, size: dict, model_dir: str) -> int:
@@ -188,7 +310,7 @@ def main(argv=None) -> str | None:
     args, repeats = started
     tmp = tempfile.mkdtemp(prefix="bench_features_")
     try:
-        rows, size = throughput_rows(args.quick, repeats, tmp)
+        rows, size, micro = throughput_rows(args.quick, repeats, tmp)
         mem_rows, mem = memory_rows(args.quick, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -202,6 +324,23 @@ def main(argv=None) -> str | None:
         ["feature", "examples/s", "vs plain"],
         rows,
         notes,
+    )
+    text += "\n" + C.report(
+        "Micro-batches against hand-written accumulation",
+        [
+            "global batch",
+            "micro-batch rows/replica",
+            "hand-written examples/s",
+            "hand-written vs plain",
+            "estimator vs plain",
+            "estimator / hand-written",
+        ],
+        micro,
+        [
+            "Both sides: 4 micro-batches per step, gradients summed by a scan; throughput "
+            "ratios (below 1 is slower); the last column is the estimator's over the "
+            "hand-written accumulation's throughput."
+        ],
     )
     width = "x".join([str(mem["hidden"])] * mem["layers"])
     text += "\n" + C.report(  # print() ended the first table with one newline

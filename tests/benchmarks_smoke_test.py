@@ -56,6 +56,8 @@ EXPECTED = {
         ("num_microbatches=4",),
         ("plain, batch x8",),
         ("num_microbatches=4, batch x8",),
+        ("64", "2"),  # micro-batches against hand-written accumulation
+        ("512", "16"),
         ("1",),
         ("4",),
     ],
