@@ -202,15 +202,33 @@ def init_state(model: str, mesh: Mesh, sample_x: np.ndarray, seed: int = 0) -> t
     return jax.device_put(state, NamedSharding(mesh, P()))
 
 
-def train_step(model: str) -> Callable:
-    """One replica's step: ``(state, (x, y)) -> (state, loss)``, run inside shard_map."""
+def _accumulated_grads(model: str, params, x, y, k: int):
+    """Mean loss and gradient over ``k`` micro-batches of the rows, summed by a ``lax.scan``
+    (gradient accumulation as a user writes it by hand)."""
+    parts = jax.tree.map(lambda a: a.reshape(k, -1, *a.shape[1:]), (x, y))
+
+    def body(total, part):
+        one = jax.value_and_grad(lambda p: _loss(model, p, *part))(params)
+        return jax.tree.map(jnp.add, total, one), None
+
+    zero = (lax.pcast(jnp.zeros(()), DATA, to="varying"), jax.tree.map(jnp.zeros_like, params))
+    total, _ = lax.scan(body, zero, parts)
+    return jax.tree.map(lambda a: a / k, total)
+
+
+def train_step(model: str, num_microbatches: int = 1) -> Callable:
+    """One replica's step: ``(state, (x, y)) -> (state, loss)``, run inside shard_map; with
+    ``num_microbatches > 1`` its gradient is accumulated over that many micro-batches."""
     tx = optax.adam(LEARNING_RATE)
 
     def step(state, batch):
         params, opt_state = state
         x, y = batch
         varying = jax.tree.map(lambda a: lax.pcast(a, DATA, to="varying"), params)
-        loss, grads = jax.value_and_grad(lambda p: _loss(model, p, x, y))(varying)
+        if num_microbatches == 1:
+            loss, grads = jax.value_and_grad(lambda p: _loss(model, p, x, y))(varying)
+        else:
+            loss, grads = _accumulated_grads(model, varying, x, y, num_microbatches)
         grads, loss = lax.pmean(grads, DATA), lax.pmean(loss, DATA)
         updates, opt_state = tx.update(grads, opt_state, params)
         return (optax.apply_updates(params, updates), opt_state), loss
@@ -218,9 +236,9 @@ def train_step(model: str) -> Callable:
     return step
 
 
-def ceiling_loop(model: str, mesh: Mesh, *, unroll: bool) -> Callable:
+def ceiling_loop(model: str, mesh: Mesh, *, unroll: bool, num_microbatches: int = 1) -> Callable:
     """The ceiling: ``jit(shard_map(scan(step)))`` over ``[n, GB, ...]`` chunks, state donated."""
-    step = train_step(model)
+    step = train_step(model, num_microbatches)
 
     def loop(state, xs, ys):
         # unroll=0 unrolls completely; unroll=True would leave a 1-step scan a while loop.

@@ -75,9 +75,11 @@ def dataset_for(model: str, quick: bool) -> W.Dataset:
 
 
 # ----------------------------------------------------------------------------- the three loops
-def ceiling_case(s: Setting, ipl: int, data: W.Dataset) -> Callable[[], C.Timing]:
+def ceiling_case(
+    s: Setting, ipl: int, data: W.Dataset, *, num_microbatches: int = 1
+) -> Callable[[], C.Timing]:
     mesh = W.make_mesh()
-    loop = W.ceiling_loop(s.model, mesh, unroll=s.unroll)
+    loop = W.ceiling_loop(s.model, mesh, unroll=s.unroll, num_microbatches=num_microbatches)
     chunks = W.stage_chunks(data, ipl, mesh)
     state = [W.init_state(s.model, mesh, data.x[0])]
 

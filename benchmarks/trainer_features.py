@@ -48,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 import estimator
 from benchmarks import _common as C
 from benchmarks import _workloads as W
+from benchmarks import train_throughput as T
 
 
 class Feature(NamedTuple):
@@ -75,7 +76,7 @@ FEATURES_IN, CLASSES = 64, 10
 
 def sizes(quick: bool) -> dict:
     if quick:
-        return {"hidden": 64, "batch": 64, "ipl": 2, "batches": 4, "steps": 4}
+        return {"hidden": 512, "batch": 64, "ipl": 2, "batches": 4, "steps": 4}
     return {"hidden": 512, "batch": 256, "ipl": IPL, "batches": 20, "steps": 3 * IPL}
 
 
@@ -123,88 +124,20 @@ def make_estimator(model_dir: str, *, ipl: int, batch: int, tpu: dict, params: d
     return estimator.TPUEstimator(_model_fn, config=config, params=params, train_batch_size=batch)
 
 
-class _MLP(nn.Module):
-    hidden: int
-
-    @nn.compact
-    def __call__(self, x):
-        for _ in range(2):
-            x = nn.relu(nn.Dense(self.hidden)(x))
-        return nn.Dense(CLASSES)(x)
+def hand_written_case(size: dict, batch: int, k: int) -> Callable[[], C.Timing]:
+    """``train_throughput``'s ceiling case: ``_workloads``' MLP (64-512-512-10, this model at
+    ``hidden`` 512) in its ``jit(shard_map(scan))`` loop, with ``k`` micro-batches a step."""
+    data = W.make_dataset("mlp", batches=size["ipl"], global_batch=batch)
+    setting = T.Setting("mlp", False, (size["ipl"],), size["steps"])
+    return T.ceiling_case(setting, size["ipl"], data, num_microbatches=k)
 
 
-def hand_written_loop(hidden: int, k: int, mesh) -> Callable:
-    """``_workloads``' ceiling loop for this MLP, its gradient summed over ``k`` micro-batches
-    (a ``lax.scan`` over the replica's rows, split ``k`` ways) when ``k > 1``."""
-    tx, module = optax.adam(1e-3), _MLP(hidden)
-
-    def loss_fn(params, x, y):
-        logits = module.apply({"params": params}, x)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-    def grads_of(params, x, y):
-        if k == 1:
-            return jax.value_and_grad(loss_fn)(params, x, y)
-        parts = jax.tree.map(lambda a: a.reshape(k, -1, *a.shape[1:]), (x, y))
-
-        def body(acc, part):
-            return jax.tree.map(jnp.add, acc, jax.value_and_grad(loss_fn)(params, *part)), None
-
-        zero = (
-            jax.lax.pcast(jnp.zeros(()), W.DATA, to="varying"),
-            jax.tree.map(jnp.zeros_like, params),
-        )
-        total, _ = jax.lax.scan(body, zero, parts)
-        return jax.tree.map(lambda a: a / k, total)
-
-    def step(state, batch):
-        params, opt_state = state
-        varying = jax.tree.map(lambda a: jax.lax.pcast(a, W.DATA, to="varying"), params)
-        loss, grads = grads_of(varying, *batch)
-        grads, loss = jax.lax.pmean(grads, W.DATA), jax.lax.pmean(loss, W.DATA)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), loss
-
-    def loop(state, xs, ys):
-        return jax.lax.scan(step, state, (xs, ys))
-
-    specs = (P(), P(None, W.DATA), P(None, W.DATA))
-    sharded = jax.shard_map(loop, mesh=mesh, in_specs=specs, out_specs=(P(), P()))
-    return jax.jit(sharded, donate_argnums=0)
+#: Micro-batch rows compared with hand-written accumulation: (estimator row, its plain row).
+MICRO = (("num_microbatches=4", "plain"), ("num_microbatches=4, batch x8", "plain, batch x8"))
 
 
-def hand_written_case(size: dict, batch: int, k: int, mesh) -> Callable[[], C.Timing]:
-    """A timed run of ``size["steps"]`` steps of the hand-written loop (Timing as estimator
-    runs: steady state between the ends of the first and the last loop call)."""
-    x, y = _data(size["batches"], batch, FEATURES_IN)
-    ipl = size["ipl"]
-    picks = [i % size["batches"] for i in range(ipl)]
-    chunk = jax.device_put((x[picks], y[picks]), NamedSharding(mesh, P(None, W.DATA)))
-    loop = hand_written_loop(size["hidden"], k, mesh)
-    params = _MLP(size["hidden"]).init(jax.random.key(0), x[0, :1])["params"]
-    box = [jax.device_put((params, optax.adam(1e-3).init(params)), NamedSharding(mesh, P()))]
-    box[0], loss = loop(box[0], *chunk)  # compiled here, not in a timed run
-    loss.block_until_ready()
-
-    def run() -> C.Timing:
-        start, stamps = C.now(), []
-        for _ in range(size["steps"] // ipl):
-            box[0], loss = loop(box[0], *chunk)
-            loss.block_until_ready()
-            stamps.append(C.now())
-        per_step = C.steady_per_step(stamps, ipl * (len(stamps) - 1))
-        return C.Timing(stamps[-1] - start, per_step)
-
-    return run
-
-
-#: Hand-written rows: (name, batch multiple, micro-batches), each against its plain row.
-HAND_WRITTEN = (
-    ("hand-written, plain", 1, 1),
-    ("hand-written, 4 micro-batches", 1, 4),
-    ("hand-written, plain, batch x8", 8, 1),
-    ("hand-written, 4 micro-batches, batch x8", 8, 4),
-)
+def _hand_name(row: str) -> str:
+    return f"hand-written: {row}"
 
 
 def throughput_rows(quick: bool, repeats: int, tmp: str) -> tuple[list[list], dict]:
@@ -229,9 +162,10 @@ def throughput_rows(quick: bool, repeats: int, tmp: str) -> tuple[list[list], di
         C.warm_up(est, input_fns[batch_of(FEATURES[name])], size["ipl"])
     fns = {k: input_fns[batch_of(FEATURES[k])] for k in ests}
     cases = {k: (lambda e=e, k=k: C.timed_train(e, fns[k], size["steps"])) for k, e in ests.items()}
-    mesh = next(iter(ests.values())).mesh
-    for name, times_batch, k in HAND_WRITTEN:
-        cases[name] = hand_written_case(size, times_batch * size["batch"], k, mesh)
+    for row in {r for pair in MICRO for r in pair}:  # the same step written by hand
+        f = FEATURES[row]
+        k = f.tpu.get("num_microbatches", 1)
+        cases[_hand_name(row)] = hand_written_case(size, batch_of(f), k)
     times = C.interleave(cases, repeats=repeats)
     plain = {f.batch_times: name for name, f in FEATURES.items() if not f.tpu and not f.params}
     rows = []
@@ -252,22 +186,16 @@ def micro_rows(times: dict, size: dict) -> list[list]:
         return [t.per_step for t in times[name]]
 
     out = []
-    for ours, ours_plain, times_batch in (
-        ("num_microbatches=4", "plain", 1),
-        ("num_microbatches=4, batch x8", "plain, batch x8", 8),
-    ):
-        suffix = ", batch x8" if times_batch == 8 else ""
-        hand, hand_plain = f"hand-written, 4 micro-batches{suffix}", f"hand-written, plain{suffix}"
-        hand_ratio = C.median_ratio(steps(hand_plain), steps(hand))
-        ours_ratio = C.median_ratio(steps(ours_plain), steps(ours))
-        rows_per = times_batch * size["batch"] // jax.device_count() // 4
+    for ours, plain in MICRO:
+        f, hand = FEATURES[ours], _hand_name(ours)
+        batch = f.batch_times * size["batch"]
         out.append(
             [
-                times_batch * size["batch"],
-                rows_per,
-                size["batch"] * times_batch / statistics.median(steps(hand)),
-                hand_ratio,
-                ours_ratio,
+                batch,
+                batch // jax.device_count() // f.tpu["num_microbatches"],
+                batch / statistics.median(steps(hand)),
+                C.median_ratio(steps(_hand_name(plain)), steps(hand)),
+                C.median_ratio(steps(plain), steps(ours)),
                 C.median_ratio(steps(hand), steps(ours)),
             ]
         )

@@ -17,8 +17,9 @@ warning; these are the same damage told again, at random (a race, about one run 
 kind: a ``RuntimeError`` whose message is ``Event loop is closed`` raised in asyncio's
 ``call_soon_threadsafe``, with no object (TensorStore's callback). It adds a filter to the
 ``asyncio`` logger that drops exactly the second: a never-retrieved exception of the task
-that ``asyncio.gather`` wraps around a non-coroutine awaitable (``_wrap_awaitable``) whose
-error is TensorStore's (its message carries ``tensorstore_spec``). Everything else passes.
+asyncio wraps around a non-coroutine awaitable (``_wrap_awaitable``, which ``ensure_future``
+and ``gather`` make for TensorStore's futures) whose error is TensorStore's (its message
+carries ``tensorstore_spec``). Everything else passes.
 
 Example:
   >>> install()  # idempotent; Checkpoints calls it
@@ -52,25 +53,35 @@ def is_closed_loop_noise(unraisable: Any) -> bool:
 
 def is_unretrieved_read_noise(record: logging.LogRecord) -> bool:
     """Whether an ``asyncio`` log record is a TensorStore read's never-retrieved failure."""
-    if not record.getMessage().startswith("Task exception was never retrieved"):
-        return False
-    if "coro=<_wrap_awaitable()" not in record.getMessage() or not record.exc_info:
+    message = record.getMessage()
+    if not message.startswith("Task exception was never retrieved") or not record.exc_info:
         return False
     error = record.exc_info[1]
-    return isinstance(error, Exception) and "tensorstore_spec" in str(error)
+    return (
+        "coro=<_wrap_awaitable()" in message
+        and isinstance(error, Exception)
+        and "tensorstore_spec" in str(error)
+    )
+
+
+def _drop() -> None:
+    """Counts one dropped report; the first is said at DEBUG."""
+    global _dropped
+    _dropped += 1
+    if _dropped == 1:
+        log.debug("Dropped Orbax's noise after a failed read (a closed loop or unread failures).")
 
 
 class _UnretrievedReadFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        global _dropped
         if is_unretrieved_read_noise(record):
-            _dropped += 1
+            _drop()
             return False
         return True
 
 
 def install() -> None:
-    """Installs the filter (once per process; later calls do nothing)."""
+    """Installs both filters (once per process; later calls do nothing)."""
     global _installed
     with _lock:
         if _installed:
@@ -79,11 +90,8 @@ def install() -> None:
         previous = sys.unraisablehook
 
         def hook(unraisable: Any) -> None:
-            global _dropped
             if is_closed_loop_noise(unraisable):
-                _dropped += 1
-                if _dropped == 1:
-                    log.debug("Dropped Orbax's 'Event loop is closed' noise after a failed read.")
+                _drop()
                 return
             previous(unraisable)
 
