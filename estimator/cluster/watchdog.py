@@ -161,11 +161,18 @@ class _Watchdog:
     def wait_for_verdict(self) -> None:
         """Before an uncaught exception's traceback (a collective that failed because a peer
         died, say): waits until every peer has beaten since, or the judge ends this process
-        with its one message. Returns at once when no peer is lost (about a second)."""
+        with its one message. Returns at once when no peer is lost (about a second).
+
+        A beat counts when its value differs from the one in the store now, read here: the
+        judge's own copy may lag (a loaded machine), and a dead peer's last beat, seen late,
+        must not pass for a new one."""
+        self._observe()
+        with self.lock:
+            before = {i: value for i, (value, _) in self.seen.items()}
         since = time.monotonic()
         while time.monotonic() - since < self.bound + 5:  # the judge speaks within it
             with self.lock:
-                if all(v == _EXITED or at > since for v, at in self.seen.values()):
+                if all(v == _EXITED or v != before[i] for i, (v, _) in self.seen.items()):
                     return
             time.sleep(self.interval / 2)
 
