@@ -28,7 +28,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ..parallel import zero
+from ..parallel import fsdp, zero
 from ..parallel.mesh import DATA
 from ..parallel.replica_context import is_varying
 from ..spec import ModeKeys, TPUEstimatorSpec
@@ -215,8 +215,8 @@ def _train_step_parts(
                 new_state = precision.keep_dtypes(new_state, collections)
                 return precision.scale_loss(loss, state.loss_scale), (loss, new_state, host)
 
-            if view is not None:  # FSDP: the backward pass gathers each parameter again
-                loss_fn = zero.remat_gathered(loss_fn)
+            if view is not None:  # FSDP: each parameter gathered where it is used
+                loss_fn = fsdp.gathered_at_use(loss_fn)
             (_, (loss, new, host)), grads = jax.value_and_grad(loss_fn, has_aux=True)(varying)
             return loss, grads, new, host
 

@@ -226,9 +226,10 @@ def gather_params(shards: PyTree, specs: PyTree) -> PyTree:
     """Inside a ``shard_map`` over ``"data"``: each split parameter whole again, one gather each.
 
     Every split leaf is ``all_gather``-ed along its split dimension and named ``GATHERED``
-    (``jax.ad_checkpoint.checkpoint_name``), so under ``remat_gathered`` the backward pass
-    gathers it again where it is used instead of keeping the forward's copy: a step holds
-    the slices plus the layers in use, not the whole model. The transpose of the gather is a
+    (``jax.ad_checkpoint.checkpoint_name``). Under ``fsdp.gathered_at_use`` each gather is
+    held back to the operation that uses the parameter, and done again for its backward
+    pass: a step holds the slices plus the layer in use, not the whole model. The transpose
+    of the gather is a
     reduce-scatter, so ``jax.grad`` through this function returns each leaf's gradient summed
     over replicas and already split as ``specs`` (``scattered_mean`` divides by R).
     Replicated leaves pass through.
@@ -245,29 +246,6 @@ def gather_params(shards: PyTree, specs: PyTree) -> PyTree:
         return checkpoint_name(whole, GATHERED)
 
     return jax.tree.map(one, specs, shards, is_leaf=_is_spec)
-
-
-def remat_gathered(fn):
-    """``fn`` (a loss function of the split parameters) rematerialising only the gathers.
-
-    Everything else ``fn`` computes is saved for the backward pass as usual; the gathered
-    parameters (``GATHERED``) are not, so each is gathered again for its backward use.
-    """
-    return jax.checkpoint(fn, policy=_not_gathered)
-
-
-def _not_gathered(prim, *_, **params) -> bool:
-    """The remat policy: save every value but a gathered parameter.
-
-    The name alone is not enough: the gather's own output (the name's input) would be saved
-    in its place. So an ``all_gather`` over ``"data"`` is never saved either.
-    """
-    if prim.name == "name":
-        return params.get("name") != GATHERED
-    if prim.name == "all_gather":
-        axes = params.get("axis_name")
-        return DATA not in (axes if isinstance(axes, tuple) else (axes,))
-    return True
 
 
 def scattered_mean(grads: PyTree, specs: PyTree) -> PyTree:
