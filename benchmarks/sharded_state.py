@@ -23,9 +23,9 @@ loops at ``iterations_per_loop`` ``PROBE_IPL`` = 20):
 ``peak_bytes_in_use`` of device 0 on a GPU/TPU, host peak RSS growth on CPU, where all
 simulated devices share the one process (so it compares with the "x devices" column, not
 the per-device one). A second table gives the loop's per-device peak at 1x, 2x and 4x the
-widths (compiled on abstract state, nothing allocated): replicated grows with the whole
-model, the split layouts with 1/R of it plus the layer in use. ``--memory-only`` skips the
-timing.
+widths, and at 8 equal hidden layers (compiled on abstract state, nothing allocated):
+replicated grows with the whole model, the split layouts with 1/R of it plus the layer in
+use. ``--memory-only`` skips the timing.
 
 On CPU the eight devices are simulated by one process (``--xla_force_host_platform_device_
 count=8``): collectives are memory copies between threads, so the throughput shows the cost
@@ -63,12 +63,17 @@ LAYOUTS = {
 IPL = 100
 FEATURES, CLASSES = 1024, 10
 WIDTHS = (1, 2, 4)
+#: Hidden layers of the deep variant (compiled only): many equal layers, where gathering each
+#: parameter at its use holds one layer at a time instead of the whole model.
+DEEP = 8
 
 
-def sizes(quick: bool, width: int = 1) -> dict:
-    """The workload; ``width`` multiplies the input and hidden widths."""
+def sizes(quick: bool, width: int = 1, layers: int = 2) -> dict:
+    """The workload; ``width`` multiplies the input and hidden widths; ``layers`` hidden
+    layers of ``hidden`` units."""
     if quick:
         return {
+            "layers": layers,
             "features": 64 * width,
             "hidden": 256 * width,
             "batch": 64,
@@ -77,6 +82,7 @@ def sizes(quick: bool, width: int = 1) -> dict:
             "steps": 4,
         }
     return {
+        "layers": layers,
         "features": FEATURES * width,
         "hidden": 2048 * width,
         "batch": 128,
@@ -88,7 +94,7 @@ def sizes(quick: bool, width: int = 1) -> dict:
 
 def _model_fn(features, labels, mode, params):
     h = features
-    for _ in range(2):
+    for _ in range(params["layers"]):
         h = nn.relu(nn.Dense(params["hidden"])(h))
     logits = nn.Dense(CLASSES)(h)
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
@@ -121,7 +127,10 @@ def make_estimator(layout: str, model_dir: str, size: dict) -> estimator.TPUEsti
         log_step_count_steps=0,
     )
     return estimator.TPUEstimator(
-        _model_fn, config=config, params={"hidden": size["hidden"]}, train_batch_size=size["batch"]
+        _model_fn,
+        config=config,
+        params={"hidden": size["hidden"], "layers": size["layers"]},
+        train_batch_size=size["batch"],
     )
 
 
@@ -133,8 +142,9 @@ def state_bytes(est: estimator.TPUEstimator) -> tuple[int, int]:
 
 def abstract_state(est: estimator.TPUEstimator, layout: str, size: dict) -> TrainState:
     """The MLP's TrainState as ``ShapeDtypeStruct``s laid out as ``layout`` keeps it."""
-    f, w = size["features"], size["hidden"]
-    shapes = {"Dense_0": (f, w), "Dense_1": (w, w), "Dense_2": (w, CLASSES)}
+    f, w, n = size["features"], size["hidden"], size["layers"]
+    shapes = {"Dense_0": (f, w), **{f"Dense_{i}": (w, w) for i in range(1, n)}}
+    shapes[f"Dense_{n}"] = (w, CLASSES)
     params = {
         k: {
             "kernel": jax.ShapeDtypeStruct(s, jnp.float32),
@@ -256,6 +266,7 @@ def main(argv=None) -> str | None:
         # compiles only; the smoke run (--quick) leaves the larger widths out
         widths = () if args.quick else WIDTHS[1:]
         by_width = width_peaks(lambda w: sizes(args.quick, w), tmp, widths)
+        deep = width_peaks(lambda w: sizes(args.quick, w, DEEP), tmp, () if args.quick else (1,))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     # --quick (the smoke test) skips the fresh-process probes: three more processes
@@ -279,6 +290,7 @@ def main(argv=None) -> str | None:
                 _mib(m.get("peak")),
                 _mib(m["peak"] * len(jax.devices())) if m else None,
                 *(by_width[k] or [None] * (len(WIDTHS) - 1)),
+                (deep[k] or [None])[0],
                 peaks.get(k),
             ]
         )
@@ -293,6 +305,7 @@ def main(argv=None) -> str | None:
         "loop peak MiB/device",
         f"loop peak x {len(jax.devices())} devices MiB",
         *(f"loop peak MiB/device, {w}x widths" for w in WIDTHS[1:]),
+        f"loop peak MiB/device, {DEEP} hidden layers",
         "peak MiB (probe)",
     ]
     f, w = size["features"], size["hidden"]
@@ -309,7 +322,10 @@ def main(argv=None) -> str | None:
     notes.append(
         "Widths (input-hidden): "
         + ", ".join(f"{w}x {_widths(args.quick, w)}" for w in WIDTHS)
-        + "; the larger widths are compiled for abstract state, nothing allocated."
+        + f"; {DEEP} hidden layers: {_widths(args.quick, 1)} with {DEEP} equal hidden layers "
+        f"(input, {DEEP - 1} hidden-to-hidden kernels, output). The larger widths and the deep "
+        "variant "
+        "are compiled for abstract state, nothing allocated."
     )
     return C.report("Sharded training state", columns, rows, notes)
 

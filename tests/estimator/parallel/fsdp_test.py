@@ -134,8 +134,8 @@ def _deep_fn(features, labels, mode, params):
 
 def test_a_step_holds_one_gathered_layer_at_a_time_not_the_whole_model(tmp_path):
     est = _trained(tmp_path, "params", _deep_fn)
-    text = _compiled_loop(est).as_text()
-    m = progress.program_memory(_compiled_loop(est))
+    compiled = _compiled_loop(est)
+    text, m = compiled.as_text(), progress.program_memory(compiled)
     layer = WIDTH * WIDTH * 4
     # Gathered at the top of the step (as XLA:CPU schedules per-leaf gathers left alone), the
     # six kernels were live together: at least 6 MiB of temporaries. Gathered at their use,
@@ -143,12 +143,7 @@ def test_a_step_holds_one_gathered_layer_at_a_time_not_the_whole_model(tmp_path)
     assert m["temporaries"] < 3 * layer, m
     # each kernel is gathered for its forward use and again for its backward pass
     assert len(re.findall(r"= f32\[512,512\]\{[0-9,]+\} all-gather\(", text)) >= 12
-    h.assert_params_close(
-        h.params_of(est),
-        h.params_of(_trained(tmp_path, "replicated", _deep_fn)),
-        rtol=1e-5,
-        atol=1e-6,
-    )
+    # (the same training as replicated: zero_test's MLP and Transformer LM equivalence tests)
 
 
 def _cross_replica_bn_fn(features, labels, mode, params):
