@@ -323,7 +323,8 @@ class TPUEstimator:
             raise EstimatorValueError(
                 f"Variable {name!r} not found in checkpoint; similar: {close}"
             )
-        return variables[name]
+        value = variables[name]
+        return value.copy() if isinstance(value, np.ndarray) else value  # the caller's own
 
     def _saved_variables(self) -> dict[str, np.ndarray]:
         path = self.latest_checkpoint()

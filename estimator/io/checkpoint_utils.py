@@ -149,7 +149,8 @@ def load_variable(ckpt_or_dir: str, name: str) -> np.ndarray:
         raise EstimatorValueError(
             f"Variable {name!r} not found in checkpoint {ckpt_or_dir}; similar: {close}"
         )
-    return np.asarray(variables[name])
+    value = variables[name]
+    return value.copy() if isinstance(value, np.ndarray) else value  # the caller's own
 
 
 __all__ = ["checkpoints_iterator", "latest_checkpoint", "list_variables", "load_variable"]
