@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -144,6 +145,54 @@ def test_a_step_holds_one_gathered_layer_at_a_time_not_the_whole_model(tmp_path)
     # each kernel is gathered for its forward use and again for its backward pass
     assert len(re.findall(r"= f32\[512,512\]\{[0-9,]+\} all-gather\(", text)) >= 12
     # (the same training as replicated: zero_test's MLP and Transformer LM equivalence tests)
+
+
+class _Scanned(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return nn.tanh(nn.Dense(WIDTH, use_bias=False)(x)), None
+
+
+class _Shared(nn.Module):
+    """One kernel read by two equations (as a tied embedding is)."""
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("kernel", nn.initializers.lecun_normal(), (WIDTH, WIDTH))
+        return jnp.tanh(jnp.tanh(x @ w) @ w.T)
+
+
+def _shaped_fn(kind):
+    """A model_fn whose split parameters reach the step through nn.remat, nn.scan (one
+    equation for three stacked layers) or two uses of one kernel."""
+
+    def model_fn(features, labels, mode, params):
+        x = nn.Dense(WIDTH)(features)
+        if kind == "remat":
+            x = nn.remat(nn.Dense)(WIDTH)(x)
+        elif kind == "scan":
+            scanned = nn.scan(
+                _Scanned, variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+            )
+            x, _ = scanned()(x, None)
+        else:
+            x = _Shared()(x)
+        logits = nn.Dense(10)(x)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        # SGD: Adam would turn the float reassociation of the shared kernel's two gradient
+        # parts (summed after their reduce-scatters, not before) into whole steps where a
+        # gradient is near zero
+        return estimator.TPUEstimatorSpec(mode, loss=loss, train_op=optax.sgd(0.1))
+
+    return model_fn
+
+
+@pytest.mark.parametrize("kind", ["remat", "scan", "shared"])
+def test_remat_scan_and_a_shared_kernel_train_split_as_replicated(tmp_path, kind):
+    got = {m: _trained(tmp_path, m, _shaped_fn(kind)) for m in ("replicated", "params")}
+    h.assert_params_close(
+        h.params_of(got["replicated"]), h.params_of(got["params"]), rtol=1e-5, atol=1e-6
+    )
 
 
 def _cross_replica_bn_fn(features, labels, mode, params):
