@@ -83,7 +83,8 @@ class TPUConfig:
         so device memory does not grow with ``iterations_per_loop``. ``None`` (default):
         256 MiB per device on TPU and GPU; on CPU, whose devices all live in host memory
         and where a transfer is a copy with no latency to hide, 2 MiB per process, shared
-        by its CPU devices (docs/inputs.md).
+        by its CPU devices (8 MiB for evaluation, which fetches every call's outputs;
+        docs/inputs.md).
       compute_dtype: ``None`` (float32), ``"bfloat16"`` or ``"float16"``: model_fn computes
         on copies of its float inputs and parameters in that dtype, while the weights, the
         optimizer state, batch statistics and checkpoints stay float32; ``"float16"`` adds

@@ -100,6 +100,7 @@ class Feeder:
                 tpu.max_staged_input_bytes,
                 platform=self.mesh.devices.flat[0].platform,
                 local_devices=len(self.mesh.local_devices),
+                mode=policy.mode,
             ),
             skip=skip,
             on_skip_short=lambda n: log.warning(

@@ -194,6 +194,7 @@ class Programs:
                 tpu.max_staged_input_bytes,
                 platform=self.mesh.devices.flat[0].platform,
                 local_devices=len(self.mesh.local_devices),
+                mode=ModeKeys.EVAL,
             ),
             iterations_per_loop=tpu.iterations_per_loop,
             steps=steps,

@@ -73,18 +73,21 @@ def test_steps_per_call_fits_the_budget_and_spreads_the_loop_evenly():
 
 
 @pytest.mark.parametrize(
-    "configured, platform, devices, per_device",
+    "configured, platform, devices, mode, per_device",
     [
-        (None, "tpu", 8, 256 * 2**20),
-        (None, "gpu", 1, 256 * 2**20),
-        (None, "cpu", 1, 2 * 2**20),
-        (None, "cpu", 8, 2**18),  # simulated devices share the host's memory
-        (3000, "cpu", 8, 3000),  # a configured budget is per device everywhere
-        (3000, "tpu", 8, 3000),
+        (None, "tpu", 8, "train", 256 * 2**20),
+        (None, "gpu", 1, "train", 256 * 2**20),
+        (None, "tpu", 8, "eval", 256 * 2**20),
+        (None, "cpu", 1, "train", 2 * 2**20),
+        (None, "cpu", 8, "train", 2**18),  # simulated devices share the host's memory
+        (None, "cpu", 8, "infer", 2**18),
+        (None, "cpu", 8, "eval", 2**20),  # evaluation fetches every call's outputs
+        (3000, "cpu", 8, "eval", 3000),  # a configured budget is per device everywhere
+        (3000, "tpu", 8, "train", 3000),
     ],
 )
-def test_default_budget_depends_on_the_platform(configured, platform, devices, per_device):
-    got = plan.input_budget(configured, platform=platform, local_devices=devices)
+def test_default_budget_depends_on_the_platform(configured, platform, devices, mode, per_device):
+    got = plan.input_budget(configured, platform=platform, local_devices=devices, mode=mode)
     assert got == per_device
 
 
