@@ -324,8 +324,7 @@ def main(argv=None) -> str | None:
         + ", ".join(f"{w}x {_widths(args.quick, w)}" for w in WIDTHS)
         + f"; {DEEP} hidden layers: {_widths(args.quick, 1)} with {DEEP} equal hidden layers "
         f"(input, {DEEP - 1} hidden-to-hidden kernels, output). The larger widths and the deep "
-        "variant "
-        "are compiled for abstract state, nothing allocated."
+        "variant are compiled for abstract state, nothing allocated."
     )
     return C.report("Sharded training state", columns, rows, notes)
 

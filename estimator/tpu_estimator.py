@@ -37,6 +37,7 @@ from .engine.programs import Programs
 from .errors import EstimatorTypeError, EstimatorValueError, NoCheckpointError
 from .io import checkpoint as ckpt_lib
 from .io import step_names
+from .io.checkpoint_utils import load_variable
 from .io.store import StateStore
 from .parallel import multihost
 from .parallel.mesh import make_mesh, num_replicas, single_device_mesh
@@ -317,17 +318,13 @@ class TPUEstimator:
         Raises:
           ValueError: the name is unknown (the message lists close names).
         """
-        variables = self._saved_variables()
-        if name not in variables:
-            close = [n for n in variables if name.split("/")[-1] in n][:5]
-            raise EstimatorValueError(
-                f"Variable {name!r} not found in checkpoint; similar: {close}"
-            )
-        value = variables[name]
-        return value.copy() if isinstance(value, np.ndarray) else value  # the caller's own
+        self._require_checkpoint()
+        return load_variable(self.model_dir, name)
 
     def _saved_variables(self) -> dict[str, np.ndarray]:
-        path = self.latest_checkpoint()
-        if path is None:
-            raise NoCheckpointError(f"No checkpoint found in {self.model_dir}")
+        self._require_checkpoint()
         return ckpt_lib.read_variables(self.model_dir)  # the newest readable one
+
+    def _require_checkpoint(self) -> None:
+        if self.latest_checkpoint() is None:
+            raise NoCheckpointError(f"No checkpoint found in {self.model_dir}")

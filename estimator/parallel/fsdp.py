@@ -45,9 +45,7 @@ from jax.extend.core import Literal
 from .mesh import DATA
 
 #: Primitives that, applied to a held-back parameter alone, stay held back with it.
-_FOLLOWERS = frozenset(
-    {"all_gather", "name", "convert_element_type", "copy", "copy_p", "reshape", "pcast"}
-)
+_FOLLOWERS = frozenset({"all_gather", "name", "convert_element_type", "copy", "reshape", "pcast"})
 
 
 class _Held(NamedTuple):

@@ -36,7 +36,6 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -208,10 +207,6 @@ def scatter_gradients(grads: PyTree, specs: PyTree) -> PyTree:
     return jax.tree.map(one, specs, grads, is_leaf=_is_spec)
 
 
-#: ``checkpoint_name`` of a parameter gathered for its use (``gather_params``).
-GATHERED = "zero_gathered_param"
-
-
 def _low_precision_on_cpu(dtype) -> bool:
     # XLA:CPU fails to compile cross-device sums of bfloat16/float16 (see scatter_gradients);
     # a gather's transpose is such a sum (a reduce-scatter).
@@ -225,14 +220,13 @@ def _low_precision_on_cpu(dtype) -> bool:
 def gather_params(shards: PyTree, specs: PyTree) -> PyTree:
     """Inside a ``shard_map`` over ``"data"``: each split parameter whole again, one gather each.
 
-    Every split leaf is ``all_gather``-ed along its split dimension and named ``GATHERED``
-    (``jax.ad_checkpoint.checkpoint_name``). Under ``fsdp.gathered_at_use`` each gather is
-    held back to the operation that uses the parameter, and done again for its backward
-    pass: a step holds the slices plus the layer in use, not the whole model. The transpose
-    of the gather is a
-    reduce-scatter, so ``jax.grad`` through this function returns each leaf's gradient summed
-    over replicas and already split as ``specs`` (``scattered_mean`` divides by R).
-    Replicated leaves pass through.
+    Every split leaf is ``all_gather``-ed along its split dimension. Under
+    ``fsdp.gathered_at_use`` each gather is held back to the operation that uses the
+    parameter, and done again for its backward pass: a step holds the slices plus the layer
+    in use, not the whole model. The transpose of the gather is a reduce-scatter, so
+    ``jax.grad`` through this function returns each leaf's gradient summed over replicas
+    and already split as ``specs`` (``scattered_mean`` divides by R). Replicated leaves
+    pass through.
     """
 
     def one(spec: P, x: jax.Array) -> jax.Array:
@@ -242,8 +236,7 @@ def gather_params(shards: PyTree, specs: PyTree) -> PyTree:
         dtype = x.dtype
         if _low_precision_on_cpu(dtype):
             x = x.astype(jnp.float32)
-        whole = lax.all_gather(x, DATA, axis=dim, tiled=True).astype(dtype)
-        return checkpoint_name(whole, GATHERED)
+        return lax.all_gather(x, DATA, axis=dim, tiled=True).astype(dtype)
 
     return jax.tree.map(one, specs, shards, is_leaf=_is_spec)
 
