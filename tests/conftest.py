@@ -1,5 +1,6 @@
 """Test setup: eight simulated CPU devices, set before JAX is imported anywhere."""
 
+import functools
 import os
 
 os.environ["XLA_FLAGS"] = (
@@ -45,6 +46,7 @@ def pytest_configure(config):
     )
 
 
+@functools.cache  # a fixture's or parametrized test's source is read once, not per item
 def _source(fn) -> str:
     import inspect
 
