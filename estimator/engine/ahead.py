@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..data import plan
 from ..parallel.mesh import DATA
+from . import executables
 
 log = logging.getLogger("estimator")
 
@@ -81,7 +82,7 @@ class AheadCall:
 
         def build():
             start = time.perf_counter()
-            compiled = self._jitted.lower(*specs).compile()
+            compiled = executables.load_or_compile(self._jitted, specs)
             if on_done is not None:
                 on_done(time.perf_counter() - start)
             return compiled
@@ -91,12 +92,17 @@ class AheadCall:
         return future
 
     def __call__(self, *args):
-        if not self._ahead:
+        if not self._ahead and executables.cache_dir() is None:
             return self._jitted(*args)
         steps = self._steps_of(args)
         future = self._ahead.get(steps)
         if future is None:
-            return self._jitted(*args)
+            if executables.cache_dir() is None:
+                return self._jitted(*args)
+            # kept by its trace (a warm process lowers nothing), then run as if compiled ahead
+            future = Future()
+            future.set_result(executables.load_or_compile(self._jitted, args))
+            self._ahead[steps] = future
         try:
             compiled = future.result()  # waits while it is still compiling
             out = compiled(*args)

@@ -21,7 +21,7 @@ from ..parallel import partitioning, zero
 from ..parallel.mesh import DATA
 from ..runtime import init_compiler_options, seed_key_data
 from ..spec import ModeKeys
-from . import microbatch, precision
+from . import executables, microbatch, precision
 from .loops import TrainState, make_fresh_train_state, make_split_init
 from .programs import Programs
 
@@ -176,7 +176,7 @@ def fresh_train_state(
     if over is not None:  # split state: each device initialises only its slices
         drawn = _split_params(programs, params_shape)
         program = _split_init_program(programs, program_of, drawn, batch_size, args) or program
-    variables, opt_state, train = program(rng, features, labels)
+    variables, opt_state, train = executables.call(program, rng, features, labels)
     if init_fn is not None:
         variables = jax.device_put(init_fn(jax.device_get(variables)), shardings)
         params, _ = split_params(variables)

@@ -3,7 +3,8 @@
 Run by compilation_test.py: ``python -m tests.estimator._startup_job MODEL_DIR [tae]``
 (``tae``: through ``train_and_evaluate``, whose eval program compiles while training runs). It
 uses the default ``RunConfig`` compilation cache (so the environment decides where it is) and
-prints one JSON line: ``{"compiled", "events", "cache_hits", "names", "results"}``.
+prints one JSON line: ``{"compiled", "events", "cache_hits", "names", "lowered", "results"}``
+(``lowered``: how many programs JAX lowered to MLIR).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import sys
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -37,8 +39,15 @@ def model_fn(features, labels, mode, params):
     )
 
 
+LOWERING = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+
+
 def main(model_dir: str, how: str = "") -> None:
     x, y = h.make_data(n=64)
+    lowered = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, seconds, **_: lowered.append(seconds) if event == LOWERING else None
+    )
     with CompileCounter() as counter:
         est = estimator.TPUEstimator(
             model_fn,
@@ -65,6 +74,7 @@ def main(model_dir: str, how: str = "") -> None:
         "events": counter.events,
         "cache_hits": counter.cache_hits,
         "names": counter.names,
+        "lowered": len(lowered),
         "results": {k: float(v) for k, v in results.items()},
     }
     print("STARTUP_JOB " + json.dumps(out), flush=True)

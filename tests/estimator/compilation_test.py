@@ -56,9 +56,13 @@ def test_fresh_process_compiles_at_most_four_programs_and_a_second_compiles_none
     cache = tmp_path / "home" / "tpu-estimator" / "jax"
     assert len(list(cache.iterdir())) >= 3  # the default per-user cache was written
 
+    assert len(list((cache / "estimator-executables").iterdir())) == 3  # kept by their trace
+    assert cold["lowered"] >= 3
+
     warm = _run_job(tmp_path / "two", tmp_path / "home")
     assert warm["compiled"] == 0, warm["names"]
     assert warm["cache_hits"] == warm["events"] == cold["events"]
+    assert warm["lowered"] == 0  # found by their trace: nothing lowered (engine/executables)
     assert warm["results"] == cold["results"]  # the cached programs compute the same
 
 

@@ -1,0 +1,141 @@
+"""engine/executables.py: programs kept by their trace, so a warm process lowers nothing."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src import stages
+
+from estimator import compilation
+from estimator.compilation import CompileCounter
+from estimator.engine import executables
+
+
+@pytest.fixture
+def cache(tmp_path):
+    before = jax.config.jax_compilation_cache_dir
+    path = compilation.configure_cache(str(tmp_path / "cache"))
+    try:
+        yield path
+    finally:
+        compilation.configure_cache(before or False)
+
+
+def _program(scale=2.0, **jit):
+    const = np.full((3,), scale, np.float32)  # a constant of the program, not an argument
+    return jax.jit(lambda x: jnp.sin(x) * const, **jit)
+
+
+def _no_lowering(monkeypatch):
+    def refuse(self, *a, **k):
+        raise AssertionError("lowered although the program was stored")
+
+    monkeypatch.setattr(stages.Traced, "lower", refuse)
+
+
+def test_a_stored_program_loads_without_lowering_and_computes_the_same(cache, monkeypatch):
+    x = jnp.arange(3.0)
+    first = executables.load_or_compile(_program(), (x,))
+    assert len(os.listdir(executables.cache_dir())) == 1
+    with monkeypatch.context() as m:
+        _no_lowering(m)
+        with CompileCounter() as counter:
+            again = executables.load_or_compile(_program(), (x,))  # a new jit, same program
+    assert (counter.events, counter.cache_hits, counter.compiled) == (1, 1, 0)
+    want = np.sin(np.arange(3.0, dtype=np.float32)) * 2.0
+    np.testing.assert_allclose(np.asarray(again(x)), want, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(again(x)), np.asarray(first(x)))
+
+
+def test_an_executable_jax_loaded_from_its_own_cache_is_not_stored(cache):
+    # Serialized again, such an XLA:CPU executable loses its code and fails when run.
+    x = jnp.arange(3.0)
+    want = np.asarray(_program()(x))  # plain jit: JAX's cache has it, this store does not
+    out = executables.load_or_compile(_program(), (x,))(x)
+    np.testing.assert_array_equal(np.asarray(out), want)
+    assert not os.path.exists(executables.cache_dir())
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        pytest.param(lambda: _program(scale=3.0), id="another constant"),
+        pytest.param(
+            lambda: _program(compiler_options={"xla_backend_optimization_level": 0}),
+            id="other compiler options",
+        ),
+        pytest.param(lambda: _program(donate_argnums=0), id="donated argument"),
+    ],
+)
+def test_what_the_trace_fixes_beyond_its_text_is_in_the_key(cache, other):
+    x = jnp.arange(3.0)
+    base = executables.program_key(_program().trace(x), (x,))
+    assert executables.program_key(_program().trace(x), (x,)) == base
+    assert executables.program_key(other().trace(x), (x,)) != base
+    assert (
+        executables.program_key(_program().trace(jnp.arange(3)), (jnp.arange(3),)) != base
+    )  # int32 input
+
+
+def test_the_devices_of_a_sharding_are_in_the_key(cache):
+    x = jnp.arange(3.0)
+    on = [jax.device_put(x, jax.devices()[i]) for i in (0, 1)]
+    keys = {executables.program_key(_program().trace(a), (a,)) for a in on}
+    assert len(keys) == 2
+
+
+def test_a_program_with_a_host_callback_is_never_stored(cache):
+    seen = []
+
+    def f(x):
+        jax.debug.callback(lambda v: seen.append(np.asarray(v)), x)
+        return x + 1
+
+    x = jnp.arange(3.0)
+    assert executables.program_key(jax.jit(f).trace(x), (x,)) is None
+    out = executables.load_or_compile(jax.jit(f), (x,))(x)
+    jax.effects_barrier()
+    np.testing.assert_array_equal(np.asarray(out), [1.0, 2.0, 3.0])
+    assert len(seen) == 1
+    assert not os.path.exists(executables.cache_dir())
+
+
+def test_a_damaged_entry_is_removed_and_compiled_again(cache):
+    x = jnp.arange(3.0)
+    executables.load_or_compile(_program(), (x,))
+    (name,) = os.listdir(executables.cache_dir())
+    path = os.path.join(executables.cache_dir(), name)
+    with open(path, "wb") as f:
+        f.write(b"not a program")
+    out = executables.load_or_compile(_program(), (x,))(x)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(_program()(x)))
+    # removed; not stored again, as JAX's own cache served the compile (see the test above)
+    assert not os.path.exists(path)
+
+
+def test_entries_beyond_the_bound_go_oldest_first(cache, monkeypatch):
+    x = jnp.arange(3.0)
+    executables.load_or_compile(_program(scale=1.0), (x,))
+    (oldest,) = os.listdir(executables.cache_dir())
+    os.utime(os.path.join(executables.cache_dir(), oldest), (1, 1))
+    size = os.path.getsize(os.path.join(executables.cache_dir(), oldest))
+    monkeypatch.setattr(executables, "MAX_BYTES", int(size * 1.5))
+    executables.load_or_compile(_program(scale=5.0), (x,))
+    assert oldest not in os.listdir(executables.cache_dir())
+    assert len(os.listdir(executables.cache_dir())) == 1
+
+
+def test_without_a_cache_nothing_is_stored(tmp_path):
+    before = jax.config.jax_compilation_cache_dir
+    compilation.configure_cache(False)
+    try:
+        assert executables.cache_dir() is None
+        x = jnp.arange(3.0)
+        out = executables.call(_program(), x)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(_program()(x)))
+    finally:
+        compilation.configure_cache(before or False)
