@@ -11,10 +11,14 @@ os.environ.setdefault("TPU_ESTIMATOR_NO_PROGRESS_BAR", "1")
 # Tests check behaviour, not speed: skipping XLA's optimisation passes compiles faster (an
 # environment variable, so subprocesses started by tests get it too).
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-# The persistent compilation cache (on by default, in ~/.cache) stays off in tests: a warm cache
-# would make them depend on earlier runs and hide compilations that tests count. Tests of the
-# cache pass their own directory (or unset this in a subprocess's environment).
-os.environ["TPU_ESTIMATOR_COMPILATION_CACHE_DIR"] = "off"
+# The persistent compilation cache (on by default, in ~/.cache) never reads a user's cache in
+# tests: a warm cache would make them depend on earlier runs. Each pytest run shares one cache
+# of its own instead (``pytest_configure`` below: a fresh directory, removed at the end), so a
+# program that many tests compile (the shared MLP's train loop, say) compiles once per run;
+# ``TPU_ESTIMATOR_SUITE_CACHE=off`` runs without it. Tests that count compilations run with
+# the cache off (``counts_compiles``); tests of the cache pass their own directory.
+_CACHE_ENV = "TPU_ESTIMATOR_COMPILATION_CACHE_DIR"
+os.environ[_CACHE_ENV] = "off"
 
 import jax  # noqa: E402
 
@@ -37,6 +41,8 @@ _SLOW_SIGNS = (
     "_multihost_job",
     "_signal_job",
 )
+# Tests that count XLA compilations (they run with the run's compilation cache off).
+_COMPILE_SIGNS = ("backend_compile", "CompileCounter", "cache_hits", "jaxpr_to_mlir")
 
 
 def pytest_configure(config):
@@ -44,6 +50,47 @@ def pytest_configure(config):
         "markers",
         "slow: starts processes, sends signals or waits on wall-clock time (CI runs them)",
     )
+    config.addinivalue_line(
+        "markers", "counts_compiles: counts XLA compilations, so runs without the run's cache"
+    )
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:  # an xdist worker: the controller made the run's cache
+        os.environ[_CACHE_ENV] = workerinput["suite_cache"]
+    elif os.environ.get("TPU_ESTIMATOR_SUITE_CACHE", "").lower() not in ("0", "off", "no"):
+        import tempfile
+
+        config._suite_cache = tempfile.mkdtemp(prefix="tpu-estimator-suite-cache-")
+        os.environ[_CACHE_ENV] = config._suite_cache
+
+
+def pytest_unconfigure(config):
+    path = getattr(config, "_suite_cache", None)
+    if path:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist: every worker shares the controller's cache."""
+    node.workerinput["suite_cache"] = os.environ[_CACHE_ENV]
+
+
+@pytest.fixture(autouse=True)
+def _compiles_counted_without_the_cache(request, monkeypatch):
+    """A test that counts compilations sees its own, not programs earlier tests cached."""
+    if request.node.get_closest_marker("counts_compiles") is None:
+        yield
+    else:
+        from estimator import compilation
+
+        monkeypatch.setenv(_CACHE_ENV, "off")
+        compilation.configure_cache(False)
+        yield
 
 
 @functools.cache  # a fixture's or parametrized test's source is read once, not per item
@@ -56,29 +103,32 @@ def _source(fn) -> str:
         return ""
 
 
-def _slow_helpers(module) -> set[str]:
-    """Names of the module's own functions whose source shows a slow sign."""
+def _helpers(module, signs: tuple[str, ...]) -> set[str]:
+    """Names of the module's own functions whose source shows one of ``signs``."""
     import inspect
 
     return {
         name
         for name, fn in inspect.getmembers(module, inspect.isfunction)
-        if fn.__module__ == module.__name__ and any(s in _source(fn) for s in _SLOW_SIGNS)
+        if fn.__module__ == module.__name__ and any(s in _source(fn) for s in signs)
     }
 
 
-def pytest_collection_modifyitems(config, items):
-    import pytest
+# Marks read from a test's source (the test, its fixtures, the module's helpers it calls).
+_MARK_SIGNS = {"slow": _SLOW_SIGNS, "counts_compiles": _COMPILE_SIGNS}
 
+
+def pytest_collection_modifyitems(config, items):
     helpers: dict = {}
     for item in items:
         module = getattr(item, "module", None)
         if module is not None and module not in helpers:
-            helpers[module] = _slow_helpers(module)
+            helpers[module] = {m: _helpers(module, s) for m, s in _MARK_SIGNS.items()}
         sources = [_source(getattr(item, "function", None))]
         info = getattr(item, "_fixtureinfo", None)
         for defs in info.name2fixturedefs.values() if info else ():
             sources += [_source(d.func) for d in defs]
-        signs = _SLOW_SIGNS + tuple(f"{n}(" for n in helpers.get(module, ()))
-        if any(sign in src for src in sources for sign in signs):
-            item.add_marker(pytest.mark.slow)
+        for mark, signs in _MARK_SIGNS.items():
+            called = tuple(f"{n}(" for n in helpers.get(module, {}).get(mark, ()))
+            if any(sign in src for src in sources for sign in signs + called):
+                item.add_marker(getattr(pytest.mark, mark))

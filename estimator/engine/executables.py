@@ -137,6 +137,9 @@ def program_key(traced: Any, args: tuple) -> str | None:
         text,
         repr(sorted(params.items())),
         repr(traced.in_avals),
+        # The executable is loaded with these trees: two programs with one jaxpr may differ
+        # only in a container's type (a NamedTuple of state against a plain tuple).
+        repr((_tree_text(traced.in_tree), _tree_text(traced.out_tree))),
         repr([(s, _devices(s)) for s in shardings]),
         repr([_devices(s) for s in params.get("in_shardings", ())]),
         repr([_devices(s) for s in params.get("out_shardings", ())]),
@@ -149,6 +152,20 @@ def program_key(traced: Any, args: tuple) -> str | None:
         h.update(repr((value.dtype, value.shape)).encode())
         h.update(np.ascontiguousarray(value).tobytes())
     return h.hexdigest()
+
+
+def _tree_text(treedef: Any) -> Any:
+    """A treedef with each node's type named in full (its repr gives only the class name)."""
+    node = treedef.node_data()
+    if node is None:
+        return "*"
+    kind, aux = node
+    return (
+        kind.__module__,
+        kind.__qualname__,
+        repr(aux),
+        [_tree_text(c) for c in treedef.children()],
+    )
 
 
 def _devices(sharding: Any) -> Any:

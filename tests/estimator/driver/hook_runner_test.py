@@ -232,6 +232,12 @@ def test_train_and_evaluate_compiles_each_loop_once(tmp_path):
         )
         assert result["global_step"] == max_steps
         later.append(len(compiles))
+    if later[-1]:  # the rule's moment depends on this machine's timings; it comes once
+        compiles.clear()
+        estimator.train_and_evaluate(
+            est, estimator.TrainSpec(h.train_input_fn(x, y), max_steps=52), spec_e
+        )
+        later.append(len(compiles))
     assert sum(later) <= 1 and later[-1] == 0, later
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +80,30 @@ def test_what_the_trace_fixes_beyond_its_text_is_in_the_key(cache, other):
     assert (
         executables.program_key(_program().trace(jnp.arange(3)), (jnp.arange(3),)) != base
     )  # int32 input
+
+
+class _State(NamedTuple):
+    a: jax.Array
+    b: jax.Array
+
+
+def test_the_container_types_of_arguments_and_results_are_in_the_key(cache):
+    """One jaxpr, other trees: an executable loaded for a NamedTuple state must not be
+    handed a plain tuple (found by the suite's shared cache: an EMA state met a tuple)."""
+
+    class _State(NamedTuple):  # the same class name, another class
+        a: jax.Array
+        b: jax.Array
+
+    x = jnp.arange(3.0)
+    double = jax.jit(lambda s: jax.tree.map(lambda v: v * 2, s))
+    states = [globals()["_State"](x, x), _State(x, x), (x, x)]
+    keys = {executables.program_key(double.trace(s), (s,)) for s in states}
+    assert len(keys) == 3
+    for s in states:  # each stored in turn; each loads as its own tree
+        out = executables.load_or_compile(double, (s,))(s)
+        assert type(out) is type(s)
+        np.testing.assert_array_equal(np.asarray(out[1]), np.asarray(x) * 2)
 
 
 def test_the_devices_of_a_sharding_are_in_the_key(cache):

@@ -162,8 +162,11 @@ def test_an_evaluator_polling_a_rotating_trainer_never_fails_or_warns(rotating_j
     proc, _, reader = rotating_job
     listed, evaluated = 0, []
     with caplog.at_level(logging.INFO, logger="estimator"):
-        deadline = time.monotonic() + 4
-        while time.monotonic() < deadline:
+        # Until the reader has seen three checkpoints come and go (a slow machine takes longer;
+        # the deadline only bounds a trainer that stopped saving).
+        deadline = time.monotonic() + 90
+        while len(set(evaluated)) < 3 or listed < 20:
+            assert time.monotonic() < deadline, evaluated
             for _ in range(10):
                 assert reader.latest_checkpoint() is not None
                 listed += 1
