@@ -16,7 +16,7 @@ import models
 from estimator.cli import app as cli
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
-ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+ENV = dict(os.environ)  # conftest set XLA_FLAGS (8 devices) before this module loaded
 SMALL = ["--config", "digits_mlp_small"]
 # Warnings a normal run must not print: the project's own Orbax use caused these.
 PROJECT_WARNINGS = ("WARNING:absl", "Type handler registry", "read only", "save_interval_steps")
