@@ -3,6 +3,8 @@
 import functools
 import os
 
+import pytest
+
 # Besides the 8 devices: XLA:CPU's newer fusion emitters and XNNPACK kernels cost compile time
 # that tests never win back (the zoo's programs compile in about 60% of the time without them;
 # measured in session 10: the accelerator smoke run's compiles 66.8 -> 39.3 s).
@@ -23,12 +25,14 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 # program that many tests compile (the shared MLP's train loop, say) compiles once per run;
 # ``TPU_ESTIMATOR_SUITE_CACHE=off`` runs without it. Tests that count compilations run with
 # the cache off (``counts_compiles``); tests of the cache pass their own directory.
-_CACHE_ENV = "TPU_ESTIMATOR_COMPILATION_CACHE_DIR"
-os.environ[_CACHE_ENV] = "off"
 
 import jax  # noqa: E402
 
+from estimator import compilation  # noqa: E402
+
 jax.config.update("jax_platforms", "cpu")
+_CACHE_ENV = compilation.ENV_VAR
+os.environ[_CACHE_ENV] = "off"
 
 
 # ---------------------------------------------------------------- the "slow" lane
@@ -62,7 +66,7 @@ def pytest_configure(config):
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None:  # an xdist worker: the controller made the run's cache
         os.environ[_CACHE_ENV] = workerinput["suite_cache"]
-    elif os.environ.get("TPU_ESTIMATOR_SUITE_CACHE", "").lower() not in ("0", "off", "no"):
+    elif os.environ.get("TPU_ESTIMATOR_SUITE_CACHE", "").strip().lower() not in compilation._OFF:
         import tempfile
 
         config._suite_cache = tempfile.mkdtemp(prefix="tpu-estimator-suite-cache-")
@@ -77,9 +81,6 @@ def pytest_unconfigure(config):
         shutil.rmtree(path, ignore_errors=True)
 
 
-import pytest  # noqa: E402
-
-
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node):
     """xdist: every worker shares the controller's cache."""
@@ -92,8 +93,6 @@ def _compiles_counted_without_the_cache(request, monkeypatch):
     if request.node.get_closest_marker("counts_compiles") is None:
         yield
     else:
-        from estimator import compilation
-
         monkeypatch.setenv(_CACHE_ENV, "off")
         compilation.configure_cache(False)
         yield
