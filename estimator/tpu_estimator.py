@@ -24,7 +24,7 @@ from hooks.base import as_hook_list
 
 from . import runtime
 from .cluster.cluster import start_cluster
-from .config import RunConfig
+from .config import RunConfig, TPUConfig
 from .data.feeder import Feeder
 from .data.layout import batch_layouts
 from .driver.evaluation import run_eval_loops
@@ -114,20 +114,11 @@ class TPUEstimator:
         self._model = ModelFn(model_fn, self._params, self._config)
         self._use_tpu = bool(use_tpu)
         tpu = self._config.tpu_config
-        if self._use_tpu:
-            self._mesh = make_mesh(num_cores_per_replica=tpu.num_cores_per_replica)
-        else:
-            self._mesh = single_device_mesh()
-        multihost.check_mesh(self._mesh)
+        self._mesh = _device_mesh(self._use_tpu, tpu)
         self._replicas = num_replicas(self._mesh)
         self._model.num_replicas = self._replicas
         self._model.num_cores_per_replica = self._mesh.shape["model"]
         self._model.use_tpu = self._use_tpu
-        if self._use_tpu and tpu.num_shards is not None and tpu.num_shards != self._replicas:
-            raise EstimatorValueError(
-                f"TPUConfig.num_shards={tpu.num_shards} does not match the {self._replicas} "
-                "replicas the devices provide"
-            )
         sizes = {
             ModeKeys.TRAIN: train_batch_size,
             ModeKeys.EVAL: eval_batch_size,
@@ -328,3 +319,20 @@ class TPUEstimator:
     def _require_checkpoint(self) -> None:
         if self.latest_checkpoint() is None:
             raise NoCheckpointError(f"No checkpoint found in {self.model_dir}")
+
+
+def _device_mesh(use_tpu: bool, tpu: TPUConfig) -> jax.sharding.Mesh:
+    """Every device (``use_tpu``) or the first one, checked against ``TPUConfig.num_shards``
+    and against the processes' device counts."""
+    if use_tpu:
+        mesh = make_mesh(num_cores_per_replica=tpu.num_cores_per_replica)
+    else:
+        mesh = single_device_mesh()
+    multihost.check_mesh(mesh)
+    replicas = num_replicas(mesh)
+    if use_tpu and tpu.num_shards is not None and tpu.num_shards != replicas:
+        raise EstimatorValueError(
+            f"TPUConfig.num_shards={tpu.num_shards} does not match the {replicas} "
+            "replicas the devices provide"
+        )
+    return mesh

@@ -156,6 +156,32 @@ def _to_varying(a: jax.Array) -> jax.Array:
     return a if is_varying(a, DATA) else lax.pcast(a, DATA, to="varying")
 
 
+def _update_fn(holder: SpecHolder, *, skip_nonfinite: bool):
+    """The optimizer half of a train step (``_train_step_parts``): ``update(state, loss,
+    grads, new_state, place)``; a non-finite step is skipped (and counted) when asked for or
+    when the loss is scaled."""
+
+    def update(state: TrainState, loss, grads, new_state, place) -> TrainState:
+        tx = holder[ModeKeys.TRAIN].train_op
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params, opt_state, new_state = place(
+            optax.apply_updates(state.params, updates), opt_state, new_state
+        )
+        new = state._replace(
+            params=params, state=new_state, opt_state=opt_state, step=state.step + 1
+        )
+        if skip_nonfinite or state.loss_scale is not None:
+            # skipped if its loss, its gradient or the new state is not finite
+            finite = jnp.isfinite(loss) & jnp.all(finite_flags(grads)) & jnp.all(_state_flags(new))
+            kept = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, state)
+            new = kept._replace(step=state.step + 1, nonfinite=state.nonfinite + (~finite))
+            if state.loss_scale is not None:
+                new = new._replace(loss_scale=precision.next_loss_scale(state.loss_scale, finite))
+        return new
+
+    return update
+
+
 def _train_step_parts(
     model: ModelFn,
     holder: SpecHolder,
@@ -225,31 +251,7 @@ def _train_step_parts(
         )
         return loss, precision.unscale(grads, state.loss_scale), new_state, host
 
-    def update(state: TrainState, loss, grads, new_state, place) -> TrainState:
-        tx = holder[ModeKeys.TRAIN].train_op
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params, opt_state, new_state = place(
-            optax.apply_updates(state.params, updates), opt_state, new_state
-        )
-        new = TrainState(
-            params,
-            new_state,
-            opt_state,
-            state.step + 1,
-            state.rng,
-            state.nonfinite,
-            state.loss_scale,
-        )
-        if skip_nonfinite or state.loss_scale is not None:
-            # skipped if its loss, its gradient or the new state is not finite
-            finite = jnp.isfinite(loss) & jnp.all(finite_flags(grads)) & jnp.all(_state_flags(new))
-            kept = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, state)
-            new = kept._replace(step=state.step + 1, nonfinite=state.nonfinite + (~finite))
-            if state.loss_scale is not None:
-                new = new._replace(loss_scale=precision.next_loss_scale(state.loss_scale, finite))
-        return new
-
-    return gradients, update
+    return gradients, _update_fn(holder, skip_nonfinite=skip_nonfinite)
 
 
 def make_train_loop(

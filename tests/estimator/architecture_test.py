@@ -216,6 +216,21 @@ def test_only_the_facade_touches_the_estimators_private_members():
     assert offenders == []
 
 
+MAX_FUNCTION_LINES = 80  # issue 26: a function reads at once
+
+
+def test_no_function_is_longer_than_a_screen():
+    """Every function in ``estimator/``, its docstring included, is at most 80 lines."""
+    long = []
+    for path in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines})")
+    assert long == []
+
+
 _BUILTIN_RAISES = ("ValueError", "TypeError", "RuntimeError", "KeyError", "IndexError")
 
 

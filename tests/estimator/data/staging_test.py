@@ -267,14 +267,7 @@ def _eval_model_fn(mask_sums: list):
 
 def _eval_estimator(model_dir, mask_sums, *, ipl, **tpu):
     x, y = h.make_data(n=BATCH * 4)
-    cfg = h.config(model_dir, iterations_per_loop=ipl, tpu=tpu)
-    est = estimator.TPUEstimator(
-        _eval_model_fn(mask_sums),
-        config=cfg,
-        train_batch_size=BATCH,
-        eval_batch_size=BATCH,
-        predict_batch_size=BATCH,
-    )
+    est = h.make_estimator(model_dir, _eval_model_fn(mask_sums), batch=BATCH, ipl=ipl, tpu=tpu)
     est.train(h.train_input_fn(x, y), max_steps=1)
     return est
 

@@ -152,14 +152,14 @@ def _mlp_estimator(model_dir, mode, *, use_tpu=True, record=None):
             host_call=host_call,
         )
 
-    cfg = h.config(model_dir, iterations_per_loop=5, tpu=MODES[mode], skip_nonfinite_steps=True)
-    return estimator.TPUEstimator(
+    return h.make_estimator(
+        model_dir,
         model_fn,
-        config=cfg,
+        batch=64,
+        ipl=5,
         use_tpu=use_tpu,
-        train_batch_size=64,
-        eval_batch_size=64,
-        predict_batch_size=64,
+        tpu=MODES[mode],
+        skip_nonfinite_steps=True,
     )
 
 

@@ -1,4 +1,4 @@
-"""TF fidelity, round two (issue 27): the BERT / EfficientNet generation's idioms, each
+"""TF fidelity of the BERT / EfficientNet generation (issue 27): their idioms, each
 written as the TF program writes it (namespace changed only).
 
 Items tested elsewhere: trainable_variables and get_or_create_global_step
