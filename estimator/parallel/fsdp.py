@@ -108,8 +108,12 @@ def _follows(eqn, held: dict) -> bool:
 
 
 def _run(jaxpr, consts: Sequence, args: Sequence) -> list:
+    """Runs ``jaxpr``; an argument given as a ``_Held`` is held back as it says."""
     env: dict = dict(zip(jaxpr.constvars, consts, strict=True))
-    held: dict = {v: _Held(x, (), False) for v, x in zip(jaxpr.invars, args, strict=True)}
+    held: dict = {
+        v: x if isinstance(x, _Held) else _Held(x, (), False)
+        for v, x in zip(jaxpr.invars, args, strict=True)
+    }
 
     def read(v):
         if isinstance(v, Literal):
@@ -130,12 +134,78 @@ def _run(jaxpr, consts: Sequence, args: Sequence) -> list:
             for i, v in enumerate(eqn.invars)
             if not isinstance(v, Literal) and v in held and held[v].gathers
         ]
-        if slots and not _side_effects(eqn):
+        if slots and _scans_a_stack(eqn, held) and not _side_effects(eqn):
+            outs = _scan(eqn, held, read)
+        elif slots and not _side_effects(eqn):
             outs = _use(eqn, slots, [held[eqn.invars[i]] for i in slots], read)
         else:
             outs = _bind(eqn, [read(v) for v in eqn.invars])
         env.update(zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in jaxpr.outvars]
+
+
+def _per_iteration(chain: tuple) -> tuple | None:
+    """``chain`` for one slice of a stacked parameter (its leading, scanned axis removed),
+    or None where it cannot be: the gather is along the scanned axis, or a step reshapes."""
+    out = []
+    for eqn in chain:
+        params = eqn.params
+        if eqn.primitive.name == "all_gather":
+            if params["all_gather_dimension"] == 0:
+                return None
+            params = {**params, "all_gather_dimension": params["all_gather_dimension"] - 1}
+        elif eqn.primitive.name == "reshape" or params.get("sharding") is not None:
+            return None
+        out.append(eqn.replace(params=params))
+    return tuple(out)
+
+
+def _gathering(v, held: dict) -> bool:
+    return not isinstance(v, Literal) and v in held and held[v].gathers
+
+
+def _scans_a_stack(eqn, held: dict) -> bool:
+    """Whether ``eqn`` is a scan over a stack of layers: it scans (``xs``) a held-back
+    parameter whose gather works on one iteration's slice. A scan that only reads held-back
+    parameters whole (an RNN's weights) is one use, gathered once each way (``_use``), not
+    once per iteration."""
+    if eqn.primitive.name != "scan":
+        return False
+    xs = eqn.invars[eqn.params["num_consts"] + eqn.params["num_carry"] :]
+    return any(_gathering(v, held) and _per_iteration(held[v].chain) is not None for v in xs)
+
+
+def _scan(eqn, held: dict, read: Callable) -> list:
+    """A ``lax.scan`` over a stack of layers (``nn.scan``), run again with each iteration's
+    slice of the stacked parameters gathered where that iteration uses it, so the step
+    holds one layer of the stack, not all of it. The body's other held-back parameters
+    (read by every layer) are gathered at their uses inside it too, as each layer would
+    gather them; a stacked parameter split along the scanned axis is gathered whole before
+    the scan."""
+    p = eqn.params
+    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    consts = [held[v] if _gathering(v, held) else read(v) for v in eqn.invars[:n_consts]]
+    chains, xs = [], []
+    for v in eqn.invars[n_consts + n_carry :]:
+        chain = _per_iteration(held[v].chain) if _gathering(v, held) else None
+        chains.append(chain)
+        xs.append(held[v].slice if chain is not None else read(v))
+
+    def body(carry, xs_i):
+        xs_i = [x if c is None else _Held(x, c, True) for x, c in zip(xs_i, chains, strict=True)]
+        outs = _run(p["jaxpr"].jaxpr, p["jaxpr"].consts, [*consts, *carry, *xs_i])
+        return outs[:n_carry], outs[n_carry:]
+
+    carry, ys = lax.scan(
+        body,
+        [read(v) for v in eqn.invars[n_consts : n_consts + n_carry]],
+        xs,
+        length=p["length"],
+        reverse=p["reverse"],
+        unroll=p["unroll"],
+        _split_transpose=p.get("_split_transpose", False),
+    )
+    return [*carry, *ys]
 
 
 def _tie(values: Any, anchors: Any) -> Any:

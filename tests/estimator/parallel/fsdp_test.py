@@ -147,6 +147,67 @@ def test_a_step_holds_one_gathered_layer_at_a_time_not_the_whole_model(tmp_path)
     # (the same training as replicated: zero_test's MLP and Transformer LM equivalence tests)
 
 
+class _Layer(nn.Module):
+    width: int = WIDTH
+
+    @nn.compact
+    def __call__(self, x, _):
+        return nn.tanh(nn.Dense(self.width, use_bias=False)(x)), None
+
+
+def _stack_fn(*, length=6, width=WIDTH, remat=False):
+    """A stack of equal layers as one ``nn.scan`` (stacked kernels [length, width, width]),
+    each layer rematerialised when ``remat``: how MaxText-style programs write a deep model."""
+
+    def model_fn(features, labels, mode, params):
+        x = nn.Dense(width)(features)
+        layer = nn.remat(_Layer) if remat else _Layer
+        stack = nn.scan(
+            layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=length
+        )
+        x, _ = stack(width)(x, None)
+        logits = nn.Dense(10)(x)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        return estimator.TPUEstimatorSpec(mode, loss=loss, train_op=optax.sgd(1e-2))
+
+    return model_fn
+
+
+def _stacked_kernel(est):
+    (kernel,) = [x for x in jax.tree.leaves(est._job.store.last.state.params) if x.ndim == 3]
+    return kernel
+
+
+@pytest.mark.parametrize("remat", [False, True], ids=["scan", "scan_of_remat"])
+def test_a_scanned_stack_is_gathered_one_layer_at_a_time(tmp_path, remat):
+    got = {m: _trained(tmp_path, m, _stack_fn(remat=remat)) for m in ("replicated", "params")}
+    h.assert_params_close(
+        h.params_of(got["replicated"]), h.params_of(got["params"]), rtol=1e-5, atol=1e-6
+    )
+    compiled = _compiled_loop(got["params"])
+    text, m = compiled.as_text(), progress.program_memory(compiled)
+    # the stacked kernel is split over "data" along a layer's dimension ...
+    assert {s.data.shape for s in _stacked_kernel(got["params"]).addressable_shards} == {
+        (6, WIDTH // 8, WIDTH)
+    }
+    # ... and gathered a layer at a time inside the scan, forward and backward: never the
+    # stack (6 MiB gathered at once, 24 MiB of temporaries before)
+    assert not re.search(r"= f32\[6,512,512\]\{[0-9,]+\} all-gather\(", text)
+    assert len(re.findall(r"= f32\[512,512\]\{[0-9,]+\} all-gather\(", text)) >= 2
+    assert m["temporaries"] < 3 * WIDTH * WIDTH * 4, m
+
+
+def test_a_stack_split_along_its_scanned_axis_is_gathered_whole_and_trains_the_same(tmp_path):
+    """16 layers of 8x8: the stacked kernel's largest dimension, the one split, is the
+    scanned one, so no iteration's slice can be gathered alone."""
+    fn = _stack_fn(length=16, width=8)
+    got = {m: _trained(tmp_path, m, fn) for m in ("replicated", "params")}
+    h.assert_params_close(
+        h.params_of(got["replicated"]), h.params_of(got["params"]), rtol=1e-5, atol=1e-6
+    )
+    assert {s.data.shape for s in _stacked_kernel(got["params"]).addressable_shards} == {(2, 8, 8)}
+
+
 class _Scanned(nn.Module):
     @nn.compact
     def __call__(self, x, _):
@@ -164,7 +225,8 @@ class _Shared(nn.Module):
 
 def _shaped_fn(kind):
     """A model_fn whose split parameters reach the step through nn.remat, nn.scan (one
-    equation for three stacked layers) or two uses of one kernel."""
+    equation for three stacked layers, or an RNN's one kernel read at every step) or two
+    uses of one kernel."""
 
     def model_fn(features, labels, mode, params):
         x = nn.Dense(WIDTH)(features)
@@ -175,6 +237,11 @@ def _shaped_fn(kind):
                 _Scanned, variable_axes={"params": 0}, split_rngs={"params": True}, length=3
             )
             x, _ = scanned()(x, None)
+        elif kind == "rnn":  # one kernel read by every iteration of a scan
+            cell = nn.scan(
+                _Scanned, variable_broadcast="params", split_rngs={"params": False}, length=4
+            )
+            x, _ = cell()(x, None)
         else:
             x = _Shared()(x)
         logits = nn.Dense(10)(x)
@@ -187,7 +254,7 @@ def _shaped_fn(kind):
     return model_fn
 
 
-@pytest.mark.parametrize("kind", ["remat", "scan", "shared"])
+@pytest.mark.parametrize("kind", ["remat", "scan", "rnn", "shared"])
 def test_remat_scan_and_a_shared_kernel_train_split_as_replicated(tmp_path, kind):
     got = {m: _trained(tmp_path, m, _shaped_fn(kind)) for m in ("replicated", "params")}
     h.assert_params_close(
