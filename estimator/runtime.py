@@ -46,4 +46,8 @@ def init_compiler_options(num_elements: int) -> dict | None:
     """
     if jax.default_backend() != "cpu" or num_elements > SMALL_INIT_ELEMENTS:
         return None
-    return {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+    return {
+        "xla_backend_optimization_level": 0,
+        "xla_llvm_disable_expensive_passes": True,
+        "xla_cpu_use_fusion_emitters": False,
+    }

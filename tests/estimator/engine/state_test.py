@@ -8,7 +8,10 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from estimator import runtime
+from estimator.engine import state
 from estimator.engine.state import one_copy_on_cpu
+from tests import helpers as h
 
 
 def _buffers(x: jax.Array) -> set[int]:
@@ -38,3 +41,33 @@ def test_split_and_single_device_arrays_are_left_as_they_are():
     out = one_copy_on_cpu({"split": split, "single": single, "host": np.ones(2)})
     assert out["split"] is split and out["single"] is single
     assert isinstance(out["host"], np.ndarray)
+
+
+@pytest.mark.parametrize(
+    "elements, cheap", [(9_000, True), (runtime.SMALL_INIT_ELEMENTS + 1, False)]
+)
+def test_only_a_small_models_init_program_compiles_cheaply(elements, cheap):
+    """On CPU the one-off init program of a small model skips XLA's optimisation passes and
+    its fusion emitters (issue 31: 0.81 -> 0.38 s of the parity job's cold start); a large
+    one keeps the defaults, which run faster."""
+    options = runtime.init_compiler_options(elements)
+    assert (options is not None) is cheap
+    if cheap:
+        assert options["xla_cpu_use_fusion_emitters"] is False
+        assert options["xla_backend_optimization_level"] == 0
+
+
+def test_the_cheap_init_program_gives_the_same_initial_variables(tmp_path, monkeypatch):
+    x, y = h.make_data(n=32)
+
+    def initial(name, options):
+        monkeypatch.setattr(state, "init_compiler_options", lambda n: options)
+        est = h.make_estimator(tmp_path / name, params={"lr": 0.0})
+        est.train(h.train_input_fn(x, y), max_steps=1)
+        return h.params_of(est)
+
+    default = initial("default", None)
+    cheap = initial("cheap", runtime.init_compiler_options(1))
+    assert default.keys() == cheap.keys()
+    for name, value in default.items():
+        np.testing.assert_array_equal(cheap[name], value, err_msg=name)
