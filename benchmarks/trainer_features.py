@@ -10,10 +10,10 @@ steady-state examples/s (median over interleaved repeats, timed between the firs
 last device loop of each ``train`` call) and its ratio to ``plain`` within each repeat.
 Rows: ``plain``; ``compute_dtype=bfloat16`` (the policy) and ``bf16 by hand`` (the same MLP
 written with ``dtype=jnp.bfloat16`` layers, the target: the policy no slower than it);
-``num_microbatches=4``; then ``plain`` and ``num_microbatches=4`` at 8x the global batch
-(2048: micro-batches of 64 rows a replica, where accumulation is used), each row compared
-with ``plain`` at its batch. A row is one entry of ``FEATURES`` (``TPUConfig`` arguments and
-model params), so adding a feature's row is one line.
+``num_microbatches=4``; then ``plain`` and ``num_microbatches=4`` at 8x and 16x the global
+batch (2048 and 4096: micro-batches of 64 and 128 rows a replica, where accumulation is
+used), each row compared with ``plain`` at its batch. A row is one entry of ``FEATURES``
+(``TPUConfig`` arguments and model params), so adding a feature's row is one line.
 
 Micro-batches against hand-written accumulation: the same MLP trained by a hand-written
 ``jit(shard_map(scan(step)))`` loop (``_workloads``' ceiling), plain and with its step's
@@ -60,8 +60,8 @@ class Feature(NamedTuple):
     batch_times: int = 1
 
 
-# Micro-batches are for batches too large for a step: the second pair runs them where each
-# micro-batch is 64 rows a replica (global batch 2048), not 8.
+# Micro-batches are for batches too large for a step: the second and third pairs run them
+# where each micro-batch is 64 and 128 rows a replica (global batch 2048 and 4096), not 8.
 FEATURES: dict[str, Feature] = {
     "plain": Feature({}),
     "compute_dtype=bfloat16": Feature({"compute_dtype": "bfloat16"}),
@@ -69,6 +69,8 @@ FEATURES: dict[str, Feature] = {
     "num_microbatches=4": Feature({"num_microbatches": 4}),
     "plain, batch x8": Feature({}, {}, 8),
     "num_microbatches=4, batch x8": Feature({"num_microbatches": 4}, {}, 8),
+    "plain, batch x16": Feature({}, {}, 16),
+    "num_microbatches=4, batch x16": Feature({"num_microbatches": 4}, {}, 16),
 }
 IPL = 100
 FEATURES_IN, CLASSES = 64, 10
@@ -133,7 +135,11 @@ def hand_written_case(size: dict, batch: int, k: int) -> Callable[[], C.Timing]:
 
 
 #: Micro-batch rows compared with hand-written accumulation: (estimator row, its plain row).
-MICRO = (("num_microbatches=4", "plain"), ("num_microbatches=4, batch x8", "plain, batch x8"))
+MICRO = (
+    ("num_microbatches=4", "plain"),
+    ("num_microbatches=4, batch x8", "plain, batch x8"),
+    ("num_microbatches=4, batch x16", "plain, batch x16"),
+)
 
 
 def _hand_name(row: str) -> str:
