@@ -56,8 +56,11 @@ EXPECTED = {
         ("num_microbatches=4",),
         ("plain, batch x8",),
         ("num_microbatches=4, batch x8",),
+        ("plain, batch x16",),
+        ("num_microbatches=4, batch x16",),
         ("64", "2"),  # micro-batches against hand-written accumulation
         ("512", "16"),
+        ("1024", "32"),
         ("1",),
         ("4",),
     ],
