@@ -16,7 +16,10 @@ backward pass. ``gathered_at_use`` does the same at the level of the program, fo
   cotangent and gathers it again, so the backward gather waits for the layer's turn too,
   and computes the cotangent of the layer's input before the parameter's whole gradient,
   so the gathered value is dead when that gradient is made. The gathered value is never a
-  residual: between its uses the step holds only the slice.
+  residual: between its uses the step holds only the slice;
+* a ``scan`` over a stack of layers (``nn.scan``: stacked parameters as its scanned inputs)
+  is run again with each iteration's slice held back the same way inside the body
+  (``_scan``), so the step gathers one layer of the stack at a time, not the stack.
 
 The gradient is the same as through ``zero.gather_params`` (the pullback of the gather is
 its transpose, the reduce-scatter): each split leaf's gradient arrives summed over replicas
