@@ -132,17 +132,13 @@ def _run(jaxpr, consts: Sequence, args: Sequence) -> list:
             h = held[src]
             held[eqn.outvars[0]] = _Held(h.slice, (*h.chain, eqn), h.gathers or _gathers(eqn))
             continue
-        slots = [
-            i
-            for i, v in enumerate(eqn.invars)
-            if not isinstance(v, Literal) and v in held and held[v].gathers
-        ]
-        if slots and _scans_a_stack(eqn, held) and not _side_effects(eqn):
-            outs = _scan(eqn, held, read)
-        elif slots and not _side_effects(eqn):
-            outs = _use(eqn, slots, [held[eqn.invars[i]] for i in slots], read)
-        else:
+        slots = [i for i, v in enumerate(eqn.invars) if _gathering(v, held)]
+        if not slots or _side_effects(eqn):
             outs = _bind(eqn, [read(v) for v in eqn.invars])
+        elif (chains := _stack_chains(eqn, held)) is not None:
+            outs = _scan(eqn, chains, held, read)
+        else:
+            outs = _use(eqn, slots, [held[eqn.invars[i]] for i in slots], read)
         env.update(zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in jaxpr.outvars]
 
@@ -167,18 +163,20 @@ def _gathering(v, held: dict) -> bool:
     return not isinstance(v, Literal) and v in held and held[v].gathers
 
 
-def _scans_a_stack(eqn, held: dict) -> bool:
-    """Whether ``eqn`` is a scan over a stack of layers: it scans (``xs``) a held-back
-    parameter whose gather works on one iteration's slice. A scan that only reads held-back
-    parameters whole (an RNN's weights) is one use, gathered once each way (``_use``), not
-    once per iteration."""
+def _stack_chains(eqn, held: dict) -> list | None:
+    """For a scan over a stack of layers, each scanned input's per-iteration chain (None
+    for an input read as it is); None when ``eqn`` is no such scan: not a scan, or none of
+    its scanned inputs (``xs``) is a held-back parameter whose gather works on one
+    iteration's slice. A scan that only reads held-back parameters whole (an RNN's weights)
+    is one use, gathered once each way (``_use``), not once per iteration."""
     if eqn.primitive.name != "scan":
-        return False
+        return None
     xs = eqn.invars[eqn.params["num_consts"] + eqn.params["num_carry"] :]
-    return any(_gathering(v, held) and _per_iteration(held[v].chain) is not None for v in xs)
+    chains = [_per_iteration(held[v].chain) if _gathering(v, held) else None for v in xs]
+    return chains if any(c is not None for c in chains) else None
 
 
-def _scan(eqn, held: dict, read: Callable) -> list:
+def _scan(eqn, chains: list, held: dict, read: Callable) -> list:
     """A ``lax.scan`` over a stack of layers (``nn.scan``), run again with each iteration's
     slice of the stacked parameters gathered where that iteration uses it, so the step
     holds one layer of the stack, not all of it. The body's other held-back parameters
@@ -188,11 +186,8 @@ def _scan(eqn, held: dict, read: Callable) -> list:
     p = eqn.params
     n_consts, n_carry = p["num_consts"], p["num_carry"]
     consts = [held[v] if _gathering(v, held) else read(v) for v in eqn.invars[:n_consts]]
-    chains, xs = [], []
-    for v in eqn.invars[n_consts + n_carry :]:
-        chain = _per_iteration(held[v].chain) if _gathering(v, held) else None
-        chains.append(chain)
-        xs.append(held[v].slice if chain is not None else read(v))
+    scanned = eqn.invars[n_consts + n_carry :]
+    xs = [read(v) if c is None else held[v].slice for v, c in zip(scanned, chains, strict=True)]
 
     def body(carry, xs_i):
         xs_i = [x if c is None else _Held(x, c, True) for x, c in zip(xs_i, chains, strict=True)]

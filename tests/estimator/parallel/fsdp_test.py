@@ -64,17 +64,19 @@ def _compiled_loop(est):
     return loop.lower(abstract, xs, ys).compile()
 
 
+def _split_leaves(est) -> list:
+    """The trained parameters split over the 8 replicas (8 distinct shards)."""
+    leaves = jax.tree.leaves(est._job.store.last.state.params)
+    return [x for x in leaves if len({str(s.index) for s in x.addressable_shards}) == 8]
+
+
 def test_each_parameter_is_gathered_alone_and_memory_falls_with_each_mode(tmp_path):
     ests = {mode: _trained(tmp_path, mode) for mode in MODES}
     compiled = {mode: _compiled_loop(est) for mode, est in ests.items()}
     text = compiled["params"].as_text()
     gathered = re.findall(r"= (f32\[[0-9,]+\])\{[0-9,]+\} all-gather\(", text)
     # one gather per split leaf, each of that leaf's own shape: no whole-model gather
-    split = [
-        x.shape
-        for x in jax.tree.leaves(ests["params"]._job.store.last.state.params)
-        if len({str(s.index) for s in x.addressable_shards}) == 8
-    ]
+    split = [x.shape for x in _split_leaves(ests["params"])]
     assert len(split) == 3
     shapes = {tuple(int(d) for d in g[4:-1].split(",")) for g in gathered}
     assert shapes == set(split), gathered
@@ -207,11 +209,7 @@ def test_scanned_transformer_blocks_train_split_as_replicated(tmp_path):
     h.assert_params_close(
         h.params_of(got["replicated"]), h.params_of(got["params"]), rtol=1e-4, atol=1e-5
     )
-    split = [
-        x.shape
-        for x in jax.tree.leaves(got["params"]._job.store.last.state.params)
-        if x.ndim >= 3 and len({str(s.index) for s in x.addressable_shards}) == 8
-    ]
+    split = [x.shape for x in _split_leaves(got["params"]) if x.ndim >= 3]
     assert len(split) >= 5, split  # query, key, value, out, mlp_in, mlp_out stacks
     # each block's kernels are gathered inside the scan, one block at a time
     text = _compiled_loop(got["params"]).as_text()
@@ -254,12 +252,6 @@ def test_a_stack_split_along_its_scanned_axis_is_gathered_whole_and_trains_the_s
     assert {s.data.shape for s in _stacked_kernel(got["params"]).addressable_shards} == {(2, 8, 8)}
 
 
-class _Scanned(nn.Module):
-    @nn.compact
-    def __call__(self, x, _):
-        return nn.tanh(nn.Dense(WIDTH, use_bias=False)(x)), None
-
-
 class _Shared(nn.Module):
     """One kernel read by two equations (as a tied embedding is)."""
 
@@ -280,12 +272,12 @@ def _shaped_fn(kind):
             x = nn.remat(nn.Dense)(WIDTH)(x)
         elif kind == "scan":
             scanned = nn.scan(
-                _Scanned, variable_axes={"params": 0}, split_rngs={"params": True}, length=3
+                _Layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=3
             )
             x, _ = scanned()(x, None)
         elif kind == "rnn":  # one kernel read by every iteration of a scan
             cell = nn.scan(
-                _Scanned, variable_broadcast="params", split_rngs={"params": False}, length=4
+                _Layer, variable_broadcast="params", split_rngs={"params": False}, length=4
             )
             x, _ = cell()(x, None)
         else:
