@@ -28,11 +28,9 @@ Example:
 from __future__ import annotations
 
 import abc
-import glob
 import inspect
 import logging
 import os
-import shutil
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -41,6 +39,8 @@ import jax
 from hooks import event_reader
 
 from .errors import EstimatorTypeError, EstimatorValueError
+from .io import storage
+from .io.export import export_versions
 
 log = logging.getLogger("estimator")
 
@@ -135,9 +135,10 @@ class _SavedModelExporter(Exporter):
         )
         if path and self._assets_extra:  # TF's place for them: <export>/assets.extra/<dest>
             for dest, src in self._assets_extra.items():
-                target = os.path.join(path, "assets.extra", dest)
-                os.makedirs(os.path.dirname(target), exist_ok=True)
-                shutil.copyfile(src, target)
+                target = storage.join(path, "assets.extra", *dest.split("/"))
+                storage.makedirs(storage.dirname(target))
+                with open(src, "rb") as f:
+                    storage.write_bytes(target, f.read())
         log.info("%s %r exported %s", type(self).__name__, self._name, path)
         return path
 
@@ -145,13 +146,13 @@ class _SavedModelExporter(Exporter):
 def garbage_collect_exports(export_path: str, exports_to_keep: int | None) -> list[str]:
     """Deletes all but the newest ``exports_to_keep`` version directories of an exporter
     (TF's rule; the version is the directory's number); returns the deleted ones."""
-    if exports_to_keep is None or jax.process_index() != 0 or not os.path.isdir(export_path):
+    if exports_to_keep is None or jax.process_index() != 0:
         return []
-    versions = sorted(int(d) for d in os.listdir(export_path) if d.isdigit())
+    versions = export_versions(export_path)
     deleted = []
     for version in versions[: max(0, len(versions) - exports_to_keep)]:
-        path = os.path.join(export_path, str(version))
-        shutil.rmtree(path, ignore_errors=True)
+        path = storage.join(export_path, str(version))
+        storage.rmtree(path)
         deleted.append(path)
     return deleted
 
@@ -272,9 +273,8 @@ class BestExporter(_SavedModelExporter):
     def _best_from_event_files(self, model_dir: str, before_step: int | None) -> dict | None:
         """The best evaluation recorded in the event files, at steps before ``before_step``
         (the current evaluation is already written there and is judged on its own)."""
-        pattern = os.path.join(glob.escape(model_dir), self._event_file_pattern)
         by_step: dict[int, dict] = {}
-        for path in sorted(glob.glob(pattern)):
+        for path in _event_files(model_dir, self._event_file_pattern):
             for event in event_reader.summary_iterator(path):
                 if not event.HasField("summary"):
                     continue
@@ -338,6 +338,10 @@ def as_exporters(exporters: Any) -> tuple[Exporter, ...]:
     return exporters
 
 
+def _event_files(model_dir: str, pattern: str) -> list[str]:
+    return storage.glob(model_dir, pattern)
+
+
 def run_exporters(
     estimator: Any,
     exporters: tuple[Exporter, ...],
@@ -349,11 +353,11 @@ def run_exporters(
     """Runs every exporter after one evaluation (TF's ``_export_eval_result``): each
     exports into ``model_dir/export/<name>``; returns their results, None where one did not
     export. An exporter's error propagates."""
-    base = os.path.join(estimator.model_dir, "export")
+    base = storage.join(estimator.model_dir, "export")
     return [
         e.export(
             estimator=estimator,
-            export_path=os.path.join(base, e.name),
+            export_path=storage.join(base, e.name),
             checkpoint_path=checkpoint_path,
             eval_result=eval_result,
             is_the_final_export=is_the_final_export,

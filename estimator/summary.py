@@ -59,6 +59,9 @@ from tensorboardX.summary import scalar as scalar_summary
 from hooks.timer import SecondOrStepTimer
 
 from .errors import EstimatorRuntimeError, EstimatorValueError
+from .io import storage, store_events
+
+store_events.register()  # event files on gs:// and s3:// through the storage seam
 
 _LOCAL = threading.local()
 _WRITERS: dict[str, Any] = {}
@@ -75,7 +78,7 @@ def writer_for(logdir: str, *, max_queue: int | None = None, flush_millis: float
     """
     if jax.process_index() != 0:
         return None
-    logdir = os.path.abspath(logdir)
+    logdir = storage.absolute(logdir)
     with _LOCK:
         w = _WRITERS.get(logdir)
         if w is None:
@@ -99,13 +102,13 @@ def write_results(logdir: str, values: dict[str, float], step: int) -> None:
     """
     if jax.process_index() != 0:
         return
-    logdir = os.path.abspath(logdir)
+    logdir = storage.absolute(logdir)
     with _LOCK:
         w, path = _RESULTS.get(logdir, (None, None))
-        if w is None or not os.path.exists(path):  # new, or the directory was deleted
-            os.makedirs(logdir, exist_ok=True)
+        if w is None or not storage.exists(path):  # new, or the directory was deleted
+            storage.makedirs(logdir)
             suffix = f".{os.getpid()}.{next(_COUNTER)}"
-            w = EventsWriter(os.path.join(logdir, "events"), suffix)
+            w = EventsWriter(storage.join(logdir, "events"), suffix)
             path = w._file_name  # noqa: SLF001 (tensorboardX keeps the name only here)
             _RESULTS[logdir] = (w, path)
         for name, value in values.items():
@@ -119,7 +122,7 @@ def write_results(logdir: str, values: dict[str, float], step: int) -> None:
 def close(logdir: str) -> None:
     """Closes the writer of ``logdir``: every queued event is on disk when this returns."""
     with _LOCK:
-        w = _WRITERS.pop(os.path.abspath(logdir), None)
+        w = _WRITERS.pop(storage.absolute(logdir), None)
     if w is not None:
         try:
             w.close()
@@ -237,7 +240,7 @@ class FileWriter:
     """
 
     def __init__(self, logdir: str, *, max_queue: int | None, flush_millis: float | None):
-        self.logdir = os.path.abspath(logdir)
+        self.logdir = storage.absolute(logdir)
         self._options = {"max_queue": max_queue, "flush_millis": flush_millis}
 
     def _writer(self):

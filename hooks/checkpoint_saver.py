@@ -159,4 +159,6 @@ class CheckpointSaverHook(SessionRunHook):
 
 
 def _same_dir(a: str, b: str) -> bool:
+    if "://" in str(a) or "://" in str(b):  # URLs (gs://...) are never local paths
+        return str(a).rstrip("/") == str(b).rstrip("/")
     return os.path.normpath(os.path.abspath(a)) == os.path.normpath(os.path.abspath(b))

@@ -16,7 +16,6 @@ Example:
 from __future__ import annotations
 
 import operator
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -202,7 +201,7 @@ def _resolve_eval_dir(estimator: Any, eval_dir: str | None) -> str:
         return eval_dir
     if hasattr(estimator, "eval_dir"):
         return estimator.eval_dir()
-    return os.path.join(estimator.model_dir, "eval")
+    return f"{str(estimator.model_dir).rstrip('/')}/eval"
 
 
 def _metric_values(eval_dir: str, metric_name: str, min_steps: int) -> _Evaluations:

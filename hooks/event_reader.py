@@ -26,6 +26,7 @@ import struct
 from collections.abc import Iterator
 
 import numpy as np
+from etils import epath
 from google.protobuf.message import DecodeError
 
 from hooks import _tensorboardx  # noqa: F401  (imports tensorboardX without torch)
@@ -56,12 +57,20 @@ def _masked_crc(data: bytes) -> int:
     return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
 
 
+def _is_url(path: str) -> bool:
+    return "://" in str(path) and not str(path).startswith("file://")
+
+
+def _open(path: str):
+    return epath.Path(path).open("rb") if _is_url(path) else open(path, "rb")  # noqa: SIM115
+
+
 def read_records(path: str) -> Iterator[bytes]:
     """Yields the data of each complete, checksummed TFRecord in the file at ``path``.
 
     Stops quietly at a truncated last record and with a warning at a corrupt one.
     """
-    with open(path, "rb") as f:
+    with _open(path) as f:
         while True:
             header = f.read(_HEADER.size)
             if len(header) < _HEADER.size:
@@ -131,6 +140,9 @@ def scalar_value(value: event_pb2.Summary.Value) -> float | None:
 
 def event_files(directory: str) -> list[str]:
     """The event files directly in ``directory``, sorted by name (i.e. by creation time)."""
+    if _is_url(directory):  # an object store (gs://...), read through etils.epath
+        root = epath.Path(directory)
+        return sorted(str(p) for p in root.glob("*tfevents*")) if root.is_dir() else []
     return sorted(glob.glob(os.path.join(glob.escape(directory), "*tfevents*")))
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import io
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ from typing import IO, Any
 import numpy as np
 
 from ..errors import CheckpointMismatchError, EstimatorError, NoCheckpointError
+from ..io import storage
 from . import checks, configs, usage
 from .usage import PROG, Invocation, UsageError
 
@@ -131,6 +133,8 @@ def _model_dir(inv: Invocation) -> str:
                 f"(train one with: {PROG} train --model_dir DIR)"
             )
         return tempfile.mkdtemp(prefix="tpu_estimator_")
+    if storage.is_url(inv.model_dir):
+        return storage.absolute(inv.model_dir)
     if os.path.exists(inv.model_dir) and not os.path.isdir(inv.model_dir):
         raise UsageError(f"--model_dir {inv.model_dir} is a file, not a directory")
     return inv.model_dir
@@ -169,7 +173,7 @@ def run(inv: Invocation, *, out: IO[str] | None = None) -> dict[str, Any] | None
     elif inv.command == "evaluate":
         result = est.evaluate(input_fns["eval"], steps=eval_steps)
     elif inv.command == "predict":
-        output = inv.output or os.path.join(model_dir, "predictions.jsonl")
+        output = inv.output or storage.join(model_dir, "predictions.jsonl")
         predictions = est.predict(input_fns["predict"], gather_to_process_0=jax.process_count() > 1)
         if jax.process_index() == 0:  # it gets every example; the other processes run along
             count = write_predictions(predictions, output, out=out or sys.stdout)
@@ -178,7 +182,7 @@ def run(inv: Invocation, *, out: IO[str] | None = None) -> dict[str, Any] | None
         else:
             collections.deque(predictions, maxlen=0)
     elif inv.command == "export":
-        export_dir = inv.export_dir or os.path.join(model_dir, "export")
+        export_dir = inv.export_dir or storage.join(model_dir, "export")
         result = {"export_dir": jobs.export_from_config(est, config, export_dir)}
     else:
         result, _ = train_and_evaluate(
@@ -207,10 +211,12 @@ def write_predictions(predictions: Iterable, path: str, *, out: IO[str]) -> int:
         for p in predictions:
             for key, value in (p if isinstance(p, dict) else {"output": p}).items():
                 columns.setdefault(key, []).append(np.asarray(value))
-        np.savez(path, **{k: np.stack(v) for k, v in columns.items()})
+        buffer = io.BytesIO()
+        np.savez(buffer, **{k: np.stack(v) for k, v in columns.items()})
+        storage.write_bytes(path, buffer.getvalue())
         return len(next(iter(columns.values()), []))
     count = 0
-    with contextlib.nullcontext(out) if path == "-" else open(path, "w") as f:
+    with contextlib.nullcontext(out) if path == "-" else storage.open_file(path, "w") as f:
         for p in predictions:
             row = (
                 {k: np.asarray(v).tolist() for k, v in p.items()}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import os
 from typing import NamedTuple
 
 from jax.sharding import Mesh
@@ -13,6 +12,7 @@ from ..config import RunConfig
 from ..data.feeder import Feeder
 from ..engine.model import ModelFn
 from ..engine.programs import Programs
+from ..io import storage
 from ..io.store import StateStore
 
 
@@ -45,7 +45,7 @@ class Job:
         return self.mesh.shape["data"]
 
     def eval_dir(self, name: str | None = None) -> str:
-        return os.path.join(self.model_dir, "eval" if not name else f"eval_{name}")
+        return storage.join(self.model_dir, "eval" if not name else f"eval_{name}")
 
 
 class EndReason(enum.StrEnum):

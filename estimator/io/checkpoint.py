@@ -44,7 +44,7 @@ from ..errors import (
     EstimatorValueError,
     NoCheckpointError,
 )
-from . import disk_full, orbax_noise, step_names
+from . import disk_full, orbax_noise, step_names, storage
 from . import variables as variables_lib
 from .meta_format import checked_meta, load_json, with_checksum
 
@@ -75,7 +75,7 @@ def check_model_dir(model_dir: str) -> None:
     Raises:
       ValueError: the absolute path holds one of ``*?[]\\``.
     """
-    path = os.path.abspath(str(model_dir))
+    path = storage.absolute(str(model_dir))
     found = sorted({c for c in path if c in _GLOB_CHARACTERS})
     if found:
         raise EstimatorValueError(
@@ -91,7 +91,7 @@ def resolve_model_dir(model_dir: str | None, configured: str | None) -> str:
     when both are given), else a new temporary directory (with a warning); checked with
     ``check_model_dir`` before anything is written there."""
     if model_dir is not None and configured is not None:
-        if os.path.abspath(str(model_dir)) != os.path.abspath(configured):
+        if storage.absolute(str(model_dir)) != storage.absolute(configured):
             raise EstimatorValueError(
                 f"model_dir={model_dir!r} differs from config.model_dir={configured!r}"
             )
@@ -256,7 +256,7 @@ def _listing(fn: Callable[[], Any]) -> Any:
 
 def _entries(directory: str) -> set[str]:
     try:
-        return set(os.listdir(directory))
+        return set(storage.listdir(directory))
     except FileNotFoundError:
         return set()
 
@@ -327,7 +327,7 @@ class Checkpoints:
 
     def path(self, step: int) -> str:
         """The step's directory: ``<model_dir>/model.ckpt-<step>`` (TF's name)."""
-        return os.path.join(self.directory, self._names.build_name(step))
+        return storage.join(self.directory, self._names.build_name(step))
 
     def save(self, step: int, variables: dict, train: dict, meta: dict) -> bool:
         """Starts an asynchronous save (arrays are copied off the devices before it returns).
@@ -369,7 +369,8 @@ class Checkpoints:
         """Deletes the steps rotation renamed away (once a reader could no longer see them)."""
         if self.read_only or jax.process_index() != 0:
             return
-        shutil.rmtree(os.path.join(self.directory, _ROTATED), ignore_errors=True)
+        if not storage.is_url(self.directory):  # Orbax deletes at once on a store
+            shutil.rmtree(os.path.join(self.directory, _ROTATED), ignore_errors=True)
 
     def _wait(self) -> None:
         """Waits for the save in flight; a full disk is one clear ``OSError`` (once)."""
@@ -409,7 +410,7 @@ class Checkpoints:
         """
         path = self.path(step)
         for item in ITEMS:
-            if not os.path.isdir(os.path.join(path, item)):
+            if not storage.isdir(storage.join(path, item)):
                 raise CheckpointError(f"checkpoint {path} is incomplete: item {item!r} is missing")
         files = {}
         for name in (
@@ -419,7 +420,7 @@ class Checkpoints:
             "meta/metadata",
         ):
             try:
-                files[name] = load_json(os.path.join(path, name), name, path)
+                files[name] = load_json(storage.join(path, name), name, path)
             except (OSError, ValueError) as e:
                 raise CheckpointError(
                     f"checkpoint {path}: {name} is unreadable ({_short(e)})"
@@ -649,7 +650,7 @@ class Checkpoints:
 
     def _vanished(self, step: int) -> bool:
         """Whether ``step`` was rotated away (by a writer) since it was listed."""
-        if os.path.isdir(self.path(step)):
+        if storage.isdir(self.path(step)):
             return False
         log.info("Checkpoint %d was removed while being read; trying a newer one.", step)
         return True
@@ -661,15 +662,15 @@ class Checkpoints:
 
     def _quarantine(self, step: int) -> None:
         """Moves a damaged step to ``<step>.unreadable`` so the step can be written again."""
-        if self.read_only or not os.path.isdir(self.path(step)):
+        if self.read_only or not storage.isdir(self.path(step)):
             return
         target = self.path(step) + ".unreadable"
         n = 0
-        while os.path.exists(target):
+        while storage.exists(target):
             n += 1
             target = f"{self.path(step)}.unreadable.{n}"
         try:
-            os.rename(self.path(step), target)
+            storage.rename(self.path(step), target)
         except FileNotFoundError:  # another process of the job moved it first
             self._manager.reload()
             return
@@ -790,15 +791,16 @@ def resolve_path(checkpoint_path: str | None, model_dir: str) -> tuple[str, int 
     its latest). None means this estimator's latest."""
     if checkpoint_path is None:
         return model_dir, None
-    path = os.path.abspath(str(checkpoint_path))
+    path = storage.absolute(str(checkpoint_path))
     parsed = step_names.parse_step_path(path)
     if parsed is not None:
-        if not os.path.isdir(path):
+        if not storage.isdir(path):
             raise NoCheckpointError(f"checkpoint_path {checkpoint_path!r} does not exist")
         return parsed
-    if os.path.basename(path) == step_names.LEGACY_DIR:
-        return os.path.dirname(path), None
-    if step_names.has_checkpoints(path) or os.path.isdir(os.path.join(path, step_names.LEGACY_DIR)):
+    if storage.basename(path) == step_names.LEGACY_DIR:
+        return storage.dirname(path), None
+    legacy = storage.join(path, step_names.LEGACY_DIR)
+    if step_names.has_checkpoints(path) or storage.isdir(legacy):
         return path, None
     raise NoCheckpointError(
         f"checkpoint_path {checkpoint_path!r} is not a checkpoint: expected "
@@ -822,7 +824,7 @@ def read_variables(path: str) -> dict[str, Any]:
       NoCheckpointError: there is no checkpoint at ``path``.
       CheckpointError: none is readable.
     """
-    model_dir, step = resolve_path(path, os.path.dirname(os.path.dirname(path)))
+    model_dir, step = resolve_path(path, storage.dirname(storage.dirname(path)))
     ckpts = Checkpoints(model_dir, read_only=True)
     wanted = step if step is not None else ckpts.newest_step()
     stamp = _stamp(ckpts.path(wanted)) if wanted is not None else None
@@ -851,12 +853,8 @@ _READ_LOCK = threading.Lock()
 
 def _stamp(step_dir: str) -> tuple | None:
     """What identifies one written checkpoint directory: a checkpoint rewritten at the same
-    step (a new run in the same model_dir) is a new directory (Orbax renames it into place)."""
-    try:
-        st = os.stat(step_dir)
-    except OSError:
-        return None
-    return os.path.realpath(step_dir), st.st_dev, st.st_ino, st.st_mtime_ns
+    step (a new run in the same model_dir) is a new directory (see ``storage.stamp``)."""
+    return storage.stamp(step_dir)
 
 
 def _placed(value: np.ndarray, spec: Any) -> Any:
@@ -875,7 +873,7 @@ _LOGGED_UNREAD: set[tuple] = set()
 def _log_unread(path: str, names: list[str]) -> None:
     """Names, once per checkpoint directory and set of names, the checkpoint variables a
     mapped restore left unread (an EMA run's averages evaluated with EMA off, say)."""
-    key = (os.path.dirname(path), tuple(names))
+    key = (storage.dirname(path), tuple(names))
     if names and key not in _LOGGED_UNREAD:
         _LOGGED_UNREAD.add(key)
         log.info(

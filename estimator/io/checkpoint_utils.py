@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import difflib
 import logging
-import os
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +24,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from ..errors import EstimatorValueError
+from . import storage
 from .checkpoint import Checkpoints, read_variables, resolve_path
 from .step_names import has_checkpoints
 
@@ -40,7 +40,7 @@ def latest_checkpoint(checkpoint_dir: str) -> str | None:
       >>> estimator.latest_checkpoint("/runs/mnist")
       '/runs/mnist/model.ckpt-1000'
     """
-    if not os.path.isdir(checkpoint_dir) or not has_checkpoints(checkpoint_dir):
+    if not storage.isdir(checkpoint_dir) or not has_checkpoints(checkpoint_dir):
         return None
     ckpts = Checkpoints(checkpoint_dir, read_only=True)
     step = ckpts.newest_step()

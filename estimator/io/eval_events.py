@@ -12,10 +12,10 @@ Example:
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 from .. import summary
+from . import storage
 
 log = logging.getLogger("estimator")
 
@@ -37,7 +37,7 @@ def write_eval_events(eval_dir: str, scalars: dict[str, float], step: int) -> bo
     try:
         summary.write_results(eval_dir, scalars, step)
     except OSError as e:  # read-only, no permission, no space: the results are still good
-        key = os.path.abspath(eval_dir)
+        key = storage.absolute(eval_dir)
         with _lock:
             first = key not in _warned
             _warned.add(key)

@@ -45,11 +45,13 @@ all ones, the checkpoint's global step, and as replica 0 of 1.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
 import re
 import shutil
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -59,7 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import EstimatorTypeError, EstimatorValueError
-from . import export_temp, tf_saved_model
+from . import export_temp, storage, tf_saved_model
 from . import variables as variables_lib
 
 COMPUTATION_FILE = "saved_model.jax"
@@ -216,6 +218,14 @@ def _write_tf(directory: str, export: ExportedProgram, names: list[str], specs: 
 def write_export(
     base: str, export: ExportedProgram, names: list[str], specs: Any, signature: dict
 ) -> str:
+    """Writes the export into a new ``<base>/<timestamp>`` directory and returns its path.
+
+    Locally it is written as ``temp-<ts>`` and renamed when complete. On an object store it is
+    written into a local staging directory, uploaded, and marked finished with
+    ``storage.COMMIT_FILE`` last (readers skip an export without it).
+    """
+    if storage.is_url(base):
+        return _write_remote(base, export, names, specs, signature)
     temp, final, fd = export_temp.reserve(base)  # also removes dead exports' temp folders
     try:
         signature["tf_saved_model"] = _write_tf(temp, export, names, specs)
@@ -247,6 +257,20 @@ def write_export(
         raise
 
 
+def _write_remote(
+    base: str, export: ExportedProgram, names: list[str], specs: Any, signature: dict
+) -> str:
+    with tempfile.TemporaryDirectory(prefix="tpu_estimator_export_") as local_base:
+        local = write_export(local_base, export, names, specs, signature)
+        stamp = int(os.path.basename(local))
+        while storage.exists(storage.join(base, str(stamp))):
+            stamp += 1  # another export took this second meanwhile
+        final = storage.join(base, str(stamp))
+        with storage.staged(final) as staging:
+            shutil.copytree(local, staging, dirs_exist_ok=True)
+        return final
+
+
 # --------------------------------------------------------------------------- loading
 class LoadedModel:
     """An exported PREDICT computation, callable on numpy features; see ``load_saved_model``."""
@@ -256,14 +280,14 @@ class LoadedModel:
         root = _portable_dir(path)
         if root is None:
             raise EstimatorValueError(f"{path!r} is not an export directory (no {SIGNATURE_FILE})")
-        with open(os.path.join(root, SIGNATURE_FILE)) as f:
-            self.signature = json.load(f)
-        with open(os.path.join(root, COMPUTATION_FILE), "rb") as f:
-            self.exported = jax.export.deserialize(bytearray(f.read()))
+        self.signature = json.loads(storage.read_text(storage.join(root, SIGNATURE_FILE)))
+        computation = storage.read_bytes(storage.join(root, COMPUTATION_FILE))
+        self.exported = jax.export.deserialize(bytearray(computation))
         var = self.signature["variables"]
         self._variables = None
         if var["stored"] != "folded":
-            with np.load(os.path.join(root, var["stored"]), allow_pickle=False) as npz:
+            stored = storage.join(root, _inside(var["stored"], path))
+            with np.load(io.BytesIO(storage.read_bytes(stored)), allow_pickle=False) as npz:
                 self._variables = [
                     jnp.asarray(_as_dtype(npz[v["name"]], v["dtype"])) for v in var["list"]
                 ]
@@ -334,13 +358,44 @@ def _conform(x: Any, sig: dict, name: str) -> np.ndarray:
     return arr.astype(dtype, copy=False)
 
 
+def _inside(stored: Any, path: str) -> str:
+    """``signature.json``'s ``stored`` entry, refused unless it names a file inside the export
+    (a crafted ``../../outside.npz`` must not make the loader read elsewhere)."""
+    parts = stored.split("/") if isinstance(stored, str) else [""]
+    if (
+        not isinstance(stored, str)
+        or not stored
+        or stored.startswith("/")
+        or "\\" in stored
+        or any(p in ("", ".", "..") for p in parts)
+    ):
+        raise EstimatorValueError(
+            f"export {path!r}: signature.json's variables.stored={stored!r} does not name a "
+            "file inside the export; the export was altered, refusing to load it"
+        )
+    return stored
+
+
 def _portable_dir(path: str) -> str | None:
     """Where an export's ``signature.json`` is: ``assets.extra/``, or the directory itself
     (exports written before the TF SavedModel)."""
-    for root in (os.path.join(path, PORTABLE_DIR), path):
-        if os.path.isfile(os.path.join(root, SIGNATURE_FILE)):
+    for root in (storage.join(path, PORTABLE_DIR), path):
+        if storage.isfile(storage.join(root, SIGNATURE_FILE)):
             return root
     return None
+
+
+def export_versions(base: str) -> list[int]:
+    """The finished exports' timestamps in an export base directory, oldest first (on an
+    object store only those with their commit marker: an upload in progress is not one)."""
+    try:
+        names = storage.listdir(base)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    stamps = sorted(int(d) for d in names if d.isdigit())
+    if storage.is_url(base):
+        stamps = [s for s in stamps if storage.finished_step(storage.join(base, str(s)))]
+    return stamps
 
 
 def load_saved_model(path: str) -> LoadedModel:
@@ -355,12 +410,12 @@ def load_saved_model(path: str) -> LoadedModel:
       >>> model({"x": x})["logits"].shape            # any batch size
       (7, 10)
     """
-    path = os.fspath(path)
+    path = storage.absolute(os.fspath(path)) if storage.is_url(path) else os.fspath(path)
     if _portable_dir(path) is None:
-        stamps = [int(d) for d in os.listdir(path) if d.isdigit()] if os.path.isdir(path) else []
+        stamps = export_versions(path)
         if not stamps:
             raise EstimatorValueError(f"{path!r} is not an export directory (no {SIGNATURE_FILE})")
-        path = os.path.join(path, str(max(stamps)))
+        path = storage.join(path, str(max(stamps)))
     return LoadedModel(path)
 
 

@@ -26,6 +26,7 @@ import json
 from typing import Any
 
 from ..errors import CheckpointError
+from . import storage
 
 MAX_META_DEPTH = 64
 LEGACY_KEYS = frozenset({"global_step", "input_pulls", "input_state", "input_states"})
@@ -61,8 +62,7 @@ def load_json(path: str, name: str, checkpoint: str) -> Any:
       CheckpointError: the file is nested beyond what the parser can read.
       OSError, ValueError: unreadable or not JSON (the caller names the file).
     """
-    with open(path) as f:
-        text = f.read()
+    text = storage.read_text(path)
     try:
         return json.loads(text)
     except RecursionError:

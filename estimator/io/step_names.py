@@ -23,6 +23,7 @@ from etils import epath
 from orbax.checkpoint._src.path import step as step_lib
 
 from ..errors import EstimatorError
+from . import storage
 
 PREFIX = "model.ckpt-"
 LEGACY_DIR = "checkpoints"  # the layout before: <model_dir>/checkpoints/<step>
@@ -71,14 +72,14 @@ TF_NAMES = TFStepNames()
 
 def _has_new_steps(model_dir: str) -> bool:
     try:
-        return any(_STEP.fullmatch(n) for n in os.listdir(model_dir))
+        return any(_STEP.fullmatch(n) for n in storage.listdir(model_dir))
     except OSError:
         return False
 
 
 def _has_legacy_steps(model_dir: str) -> bool:
     try:
-        return any(n.isdigit() for n in os.listdir(os.path.join(model_dir, LEGACY_DIR)))
+        return any(n.isdigit() for n in storage.listdir(storage.join(model_dir, LEGACY_DIR)))
     except OSError:
         return False
 
@@ -91,11 +92,12 @@ def layout(model_dir: str) -> tuple[str, step_lib.NameFormat]:
     Raises:
       NotADirectoryError: model_dir exists and is not a directory.
     """
-    model_dir = os.path.abspath(model_dir)
-    if os.path.exists(model_dir) and not os.path.isdir(model_dir):
+    model_dir = storage.absolute(model_dir)
+    local = not storage.is_url(model_dir)  # on a store, a prefix and an object can share a name
+    if local and os.path.exists(model_dir) and not os.path.isdir(model_dir):
         raise NotADirectoryError(errno.ENOTDIR, "model_dir is not a directory", model_dir)
     if _has_legacy_steps(model_dir) and not _has_new_steps(model_dir):
-        return os.path.join(model_dir, LEGACY_DIR), step_lib.standard_name_format()
+        return storage.join(model_dir, LEGACY_DIR), step_lib.standard_name_format()
     return model_dir, TF_NAMES
 
 
@@ -105,25 +107,26 @@ def has_checkpoints(model_dir: str) -> bool:
 
 
 def newest_finished(directory: str, names: Iterable[str]) -> int | None:
-    """The newest step among ``names`` (entries of the local ``directory``) that is a finished
+    """The newest step among ``names`` (entries of ``directory``) that is a finished
     ``model.ckpt-<step>`` directory, or None. On a local file system a step is finished once
-    it has its final name (Orbax writes under a temporary name, then renames)."""
+    it has its final name (Orbax writes under a temporary name, then renames); on an object
+    store, where Orbax writes the final name at once, once it holds its commit marker."""
     steps = sorted((int(m.group(1)) for m in map(_STEP.fullmatch, names) if m), reverse=True)
     for step in steps:
-        if os.path.isdir(os.path.join(directory, TF_NAMES.build_name(step))):
+        if storage.finished_step(storage.join(directory, TF_NAMES.build_name(step))):
             return step
     return None
 
 
 def parse_step_path(path: str) -> tuple[str, int] | None:
     """``(model_dir, step)`` of a step directory path of either layout, else None."""
-    path = os.path.abspath(path)
-    base, parent = os.path.basename(path), os.path.dirname(path)
+    path = storage.absolute(path)
+    base, parent = storage.basename(path), storage.dirname(path)
     match = _STEP.fullmatch(base)
     if match is not None:
         return parent, int(match.group(1))
-    if base.isdigit() and os.path.basename(parent) == LEGACY_DIR:
-        return os.path.dirname(parent), int(base)
+    if base.isdigit() and storage.basename(parent) == LEGACY_DIR:
+        return storage.dirname(parent), int(base)
     return None
 
 
@@ -139,7 +142,7 @@ __all__ = [
 
 
 def newest_finished_path(model_dir: str) -> str | None:
-    """The path of model_dir's newest finished step directory, read with ``os`` alone (no
+    """The path of model_dir's newest finished step directory, read with listings alone (no
     Orbax manager, which waits at a barrier for every process, and no thread pool, which is
     gone at interpreter shutdown), or None.
 
@@ -149,15 +152,15 @@ def newest_finished_path(model_dir: str) -> str | None:
     """
     try:
         directory, names = layout(model_dir)
-        entries = os.listdir(directory)
+        entries = storage.listdir(directory)
     except OSError:
         return None
     if names is TF_NAMES:
         step = newest_finished(directory, entries)
-        return None if step is None else os.path.join(directory, names.build_name(step))
+        return None if step is None else storage.join(directory, names.build_name(step))
     steps = sorted((int(n) for n in entries if n.isdigit()), reverse=True)  # the old layout
     for step in steps:
-        path = os.path.join(directory, str(step))
-        if os.path.isdir(path) and step_lib.is_path_finalized(epath.Path(path)):
+        path = storage.join(directory, str(step))
+        if storage.isdir(path) and step_lib.is_path_finalized(storage.epath_of(path)):
             return path
     return None

@@ -8,10 +8,10 @@ reading the checkpoint back.
 
 from __future__ import annotations
 
-import os
 from typing import Any, NamedTuple
 
 from . import checkpoint as ckpt_lib
+from . import storage
 
 
 class LastState(NamedTuple):
@@ -58,7 +58,7 @@ class StateStore:
         return ckpt_lib.Checkpoints(model_dir, read_only=True)
 
     def owns(self, model_dir: str) -> bool:
-        return os.path.abspath(model_dir) == os.path.abspath(self.model_dir)
+        return storage.absolute(model_dir) == storage.absolute(self.model_dir)
 
     @property
     def last(self) -> LastState | None:
