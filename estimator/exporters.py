@@ -338,6 +338,10 @@ def as_exporters(exporters: Any) -> tuple[Exporter, ...]:
     return exporters
 
 
+class ExportsInterrupted(Exception):
+    """A stop request (SIGTERM) ended ``run_exporters`` before the named exporter ran."""
+
+
 def _event_files(model_dir: str, pattern: str) -> list[str]:
     return storage.glob(model_dir, pattern)
 
@@ -349,21 +353,27 @@ def run_exporters(
     *,
     is_the_final_export: bool,
     checkpoint_path: str | None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> list[str | None]:
     """Runs every exporter after one evaluation (TF's ``_export_eval_result``): each
     exports into ``model_dir/export/<name>``; returns their results, None where one did not
-    export. An exporter's error propagates."""
+    export. An exporter's error propagates; ``should_stop`` (asked before each exporter)
+    ends the run with ``ExportsInterrupted``."""
     base = storage.join(estimator.model_dir, "export")
-    return [
-        e.export(
-            estimator=estimator,
-            export_path=storage.join(base, e.name),
-            checkpoint_path=checkpoint_path,
-            eval_result=eval_result,
-            is_the_final_export=is_the_final_export,
+    results = []
+    for e in exporters:
+        if should_stop is not None and should_stop():
+            raise ExportsInterrupted(e.name)
+        results.append(
+            e.export(
+                estimator=estimator,
+                export_path=storage.join(base, e.name),
+                checkpoint_path=checkpoint_path,
+                eval_result=eval_result,
+                is_the_final_export=is_the_final_export,
+            )
         )
-        for e in exporters
-    ]
+    return results
 
 
 __all__ = [

@@ -7,6 +7,14 @@ the previous one (the first checkpoint always does), and the final checkpoint is
 once at the end. Evaluation runs in the same process on the same devices, on the state
 training holds (no reload); every loop compiles once over the whole run.
 
+An evaluation and its exports are one unit: ``<eval dir>/evaluation_pending.json`` names the
+step before the evaluation starts and is marked done once every exporter ran. A job stopped in
+between (SIGKILL, a full disk during an export, SIGTERM) evaluates and exports that step
+again when it restarts, so ``BestExporter``'s newest export is always the best evaluated. A
+SIGTERM during an evaluation or between exporters stops them at once (the checkpoint is
+already written): the stop takes one evaluation loop or one exporter at most, not every
+export (single-process jobs; with many processes the evaluation runs to its end).
+
 Example:
   >>> estimator.train_and_evaluate(
   ...     est, estimator.TrainSpec(train_input_fn, max_steps=1000),
@@ -16,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -23,7 +32,9 @@ from collections.abc import Callable, Sequence
 import hooks as hooks_lib
 
 from . import exporters as exporters_lib
+from .driver import preemption
 from .errors import EstimatorTypeError, EstimatorValueError
+from .io import storage
 from .parallel import multihost
 
 log = logging.getLogger("estimator")
@@ -84,6 +95,47 @@ def _now() -> float:
     return time.monotonic()
 
 
+PENDING_FILE = "evaluation_pending.json"
+
+
+class _Interrupted(Exception):
+    """A stop request ended an evaluation: it and its exports are redone on restart."""
+
+
+def _stop_requested() -> bool:
+    """A SIGTERM or Ctrl-C arrived in this ``train`` call (one process: many processes
+    must agree to leave a collective evaluation, so they finish it)."""
+    signals = preemption.active()
+    return signals is not None and signals.requested and not multihost.is_multiprocess()
+
+
+class _StopOnSignal(hooks_lib.SessionRunHook):
+    def after_run(self, run_context, run_values) -> None:
+        if _stop_requested():
+            raise _Interrupted
+
+
+class _Pending:
+    """The step whose evaluation and exports are under way (see the module docstring)."""
+
+    def __init__(self, est, spec: EvalSpec):
+        self.path = storage.join(est.eval_dir(spec.name), PENDING_FILE)
+
+    def mark(self, step: int, *, done: bool) -> None:
+        if multihost.is_process_0():
+            storage.makedirs(storage.dirname(self.path))
+            storage.write_bytes(self.path, json.dumps({"step": step, "done": done}).encode())
+
+    def unfinished(self) -> int | None:
+        try:
+            record = json.loads(storage.read_text(self.path))
+        except (OSError, ValueError):
+            return None
+        step = record.get("step") if isinstance(record, dict) else None
+        done = isinstance(record, dict) and record.get("done") is True
+        return step if isinstance(step, int) and not done else None
+
+
 class _EvalOnCheckpoint(hooks_lib.CheckpointSaverListener):
     """Evaluates after a checkpoint save when the throttle allows (TF's
     ``_NewCheckpointListenerForEvaluate``)."""
@@ -96,6 +148,7 @@ class _EvalOnCheckpoint(hooks_lib.CheckpointSaverListener):
             every_secs=eval_spec.throttle_secs, clock=lambda: _now()
         )
         self.result: dict | None = None
+        self.pending = _Pending(est, eval_spec)
 
     def after_save(self, session, global_step_value: int) -> None:
         (due,) = multihost.any_of(self.timer.should_trigger_for_step(global_step_value))
@@ -108,23 +161,59 @@ class _EvalOnCheckpoint(hooks_lib.CheckpointSaverListener):
                 self.spec.throttle_secs,
             )
 
-    def evaluate(self, step: int, *, final: bool = False) -> None:
+    def evaluate(self, step: int, *, final: bool = False, checkpoint_path: str | None = None):
         spec = self.spec
-        checkpoint_path = self.est.latest_checkpoint()  # the one evaluated next
-        self.result = self.est.evaluate(
-            spec.input_fn, steps=spec.steps, hooks=spec.hooks, name=spec.name
-        )
-        self.timer.update_last_triggered_step(step)
-        # TF's rule: the export is final once training reached max_steps.
-        final = final or (self.max_steps is not None and step >= self.max_steps)
-        self.export_results = exporters_lib.run_exporters(
-            self.est,
-            spec.exporters,
-            self.result,
-            is_the_final_export=final,
-            checkpoint_path=checkpoint_path,
-        )
+        restored = checkpoint_path  # None: the state training holds (no reload)
+        if checkpoint_path is None:
+            checkpoint_path = self.est.latest_checkpoint()  # the one evaluated next
+        self.pending.mark(step, done=False)
+        try:
+            self.result = self.est.evaluate(
+                spec.input_fn,
+                steps=spec.steps,
+                hooks=[*spec.hooks, _StopOnSignal()],
+                name=spec.name,
+                checkpoint_path=restored,
+            )
+            self.timer.update_last_triggered_step(step)
+            # TF's rule: the export is final once training reached max_steps.
+            final = final or (self.max_steps is not None and step >= self.max_steps)
+            self.export_results = exporters_lib.run_exporters(
+                self.est,
+                spec.exporters,
+                self.result,
+                is_the_final_export=final,
+                checkpoint_path=checkpoint_path,
+                should_stop=_stop_requested,
+            )
+        except (_Interrupted, exporters_lib.ExportsInterrupted):
+            log.warning(
+                "Stopping: the evaluation and exports of step %d are left to the restarted "
+                "job (%s).",
+                step,
+                self.pending.path,
+            )
+            return
+        self.pending.mark(step, done=True)
         self.final_exported = self.final_exported or final
+
+    def finish_interrupted(self) -> None:
+        """Evaluates and exports the step a stopped job left unfinished, if its checkpoint
+        is still there."""
+        step = self.pending.unfinished()
+        if step is None:
+            return
+        path = storage.join(self.est.model_dir, f"model.ckpt-{step}")
+        if not storage.finished_step(path):
+            log.warning(
+                "The evaluation of step %d was interrupted; its checkpoint is gone.", step
+            )
+            self.pending.mark(step, done=True)
+            return
+        log.info(
+            "Evaluating and exporting step %d again: the job stopped before it was done.", step
+        )
+        self.evaluate(step, checkpoint_path=path)
 
     @property
     def evaluation_steps(self) -> int | None:
@@ -150,6 +239,7 @@ def train_and_evaluate(est, train_spec: TrainSpec, eval_spec: EvalSpec) -> tuple
     if not isinstance(eval_spec, EvalSpec):
         raise EstimatorTypeError(f"eval_spec must be an EvalSpec, got {type(eval_spec).__name__}")
     listener = _EvalOnCheckpoint(est, eval_spec, train_spec.max_steps)
+    listener.finish_interrupted()
     est.train(
         train_spec.input_fn,
         hooks=train_spec.hooks,

@@ -135,3 +135,91 @@ def test_a_saving_listener_sees_every_checkpoint_and_can_stop_training(tmp_path)
     assert _checkpoint_steps(tmp_path) == [4, 8]
     with pytest.raises(TypeError, match="saving_listeners"):
         est.train(h.train_input_fn(x, y), max_steps=24, saving_listeners=Listener())
+
+
+# ------------------------------------------------------------- stopped and restarted
+def _tae_job(model_dir, *args) -> "subprocess.Popen":
+    import subprocess
+    import sys
+
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.estimator._tae_job", str(model_dir), *args],
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _run_until(job, stop_on: str, sig) -> list[str]:
+    """Reads the job's output and sends ``sig`` at the first line starting with ``stop_on``."""
+    seen = []
+    for line in job.stdout:
+        seen.append(line.rstrip("\n"))
+        if line.startswith(stop_on):
+            job.send_signal(sig)
+            break
+    seen += [line.rstrip("\n") for line in job.stdout]
+    job.wait(timeout=120)
+    return seen
+
+
+def _best_export_steps(model_dir: Path) -> list[int]:
+    import json
+
+    base = model_dir / "export" / "best"
+    signatures = base.glob("*/assets.extra/signature.json")
+    return sorted(json.loads(p.read_text())["global_step"] for p in signatures)
+
+
+def _recorded(model_dir: Path) -> list[str]:
+    path = model_dir / "exports.log"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_an_evaluation_killed_before_its_exports_is_exported_on_restart(tmp_path):
+    """Issue: SIGKILL right after the evaluation's events, before the exports: the restarted
+    job restored that step, never evaluated it again, and BestExporter lost it."""
+    import signal
+
+    seen = _run_until(_tae_job(tmp_path), "Saving dict for global step 8", signal.SIGKILL)
+    assert any(s.startswith("Saving dict for global step 8") for s in seen), seen[-10:]
+    assert "a 8" not in _recorded(tmp_path)  # killed before its exports
+    out = _run_until(_tae_job(tmp_path), "never", signal.SIGKILL)
+    assert out[-1] == "DONE 16", out[-10:]
+    assert any("Evaluating and exporting step 8 again" in s for s in out), out
+    assert {"a 8", "b 8", "c 8"} <= set(_recorded(tmp_path))
+    evals = read_eval_metrics(str(tmp_path / "eval"))
+    best, best_loss = [], float("inf")  # the best-so-far sequence, from TensorBoard's events
+    for step, result in sorted(evals.items()):
+        if result["loss"] < best_loss:
+            best, best_loss = best + [step], result["loss"]
+    assert 8 in best and _best_export_steps(tmp_path) == best
+
+
+def test_sigterm_between_exporters_stops_at_once_and_the_restart_finishes_them(tmp_path):
+    """Issue: SIGTERM during train_and_evaluate's exports waited for every exporter."""
+    import signal
+
+    seen = _run_until(_tae_job(tmp_path, "--export_sleep", "2"), "EXPORT a 4", signal.SIGTERM)
+    assert not any(s.startswith("EXPORT b") for s in seen), seen  # stopped before exporter b
+    assert any("left to the restarted job" in s for s in seen), seen
+    assert _recorded(tmp_path) == ["a 4"]
+    out = _run_until(_tae_job(tmp_path), "never", signal.SIGKILL)
+    assert out[-1] == "DONE 16", out[-10:]
+    recorded = _recorded(tmp_path)
+    for name in "abc":
+        assert f"{name} 4" in recorded, recorded
+
+
+def test_sigterm_during_an_evaluation_stops_it_and_the_restart_evaluates_it(tmp_path):
+    import signal
+
+    job = _tae_job(tmp_path, "--eval_sleep", "1")
+    seen = _run_until(job, "EVAL LOOP", signal.SIGTERM)
+    assert job.returncode == 143, seen[-10:]
+    assert not any(s.startswith("Saving dict for global step") for s in seen), seen
+    assert not any(s.startswith("EXPORT") for s in seen), seen
+    out = _run_until(_tae_job(tmp_path), "never", signal.SIGKILL)
+    assert out[-1] == "DONE 16", out[-10:]
+    assert sorted(read_eval_metrics(str(tmp_path / "eval"))) == [4, 8, 12, 16]
