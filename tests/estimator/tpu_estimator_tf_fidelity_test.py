@@ -273,15 +273,17 @@ def test_checkpoints_iterator_drives_a_continuous_evaluator(run, tmp_path):
     """``for ckpt in checkpoints_iterator(dir, timeout=...)``: each new checkpoint once."""
     watched = str(tmp_path)
     _copy_step(run.model_dir, 2, watched)
-    timer = threading.Timer(0.5, _copy_step, (run.model_dir, 4, watched))
-    timer.start()
+    # The next checkpoint arrives while the iterator waits, after it yielded the first one
+    # (not on a timer: a loaded machine would start the iterator after it came).
+    writer = threading.Thread(target=_copy_step, args=(run.model_dir, 4, watched))
     seen, steps = [], []
     for ckpt in estimator.checkpoints_iterator(watched, timeout=60):
         seen.append(ckpt)
         steps.append(run.evaluate(eval_input_fn, checkpoint_path=ckpt)["global_step"])
         if int(ckpt.split("-")[-1]) >= STEPS:
             break
-    timer.join()
+        writer.start()
+    writer.join()
     assert [os.path.basename(c) for c in seen] == ["model.ckpt-2", "model.ckpt-4"]
     assert steps == [2, 4]
     # Nothing new: it gives up after `timeout` seconds; timeout_fn decides whether to stop.
