@@ -113,11 +113,12 @@ def check_job(
     except (EstimatorError, TypeError, ValueError) as e:
         raise UsageError(f"the job config: {e}") from None
     _check_counts(command, config)
-    if output not in (None, "-"):
+    if output not in (None, "-") and "://" not in output:  # a URL: checked when written
         parent = os.path.dirname(os.path.abspath(output))
         if not os.path.isdir(parent):
             raise UsageError(f"--output {output}: the directory {parent} does not exist")
-    if export_dir is not None and os.path.exists(export_dir) and not os.path.isdir(export_dir):
+    local_export = export_dir is not None and "://" not in export_dir
+    if local_export and os.path.exists(export_dir) and not os.path.isdir(export_dir):
         raise UsageError(f"--export_dir {export_dir} is a file, not a directory")
     if command in READS_A_MODEL and model_dir is not None and not may_hold_checkpoint(model_dir):
         raise NoCheckpointInModelDir(
