@@ -24,6 +24,7 @@ _EXPORTS = {
     ".config": ("InputPipelineConfig", "RunConfig", "TPUConfig"),
     ".context": ("get_global_step", "get_or_create_global_step", "padding_mask"),
     ".cross_shard_optimizer": ("CrossShardOptimizer",),
+    ".engine.scopes": ("AUTO_REUSE", "get_variable", "variable_scope"),
     ".engine.traced": ("TracedValueError",),
     ".driver.preemption": ("Preempted",),
     ".errors": (
@@ -38,9 +39,11 @@ _EXPORTS = {
     ".input_context": ("InputContext",),
     ".io.export": ("build_raw_serving_input_receiver_fn", "load_saved_model"),
     ".io.checkpoint_utils": (
+        "_load_global_step_from_checkpoint_dir",  # TF's private name, kept for ported mains
         "checkpoints_iterator",
         "latest_checkpoint",
         "list_variables",
+        "load_global_step",
         "load_variable",
     ),
     ".io.inference": ("rewrite_for_inference", "validate_inference_rewrite_for_variables"),
@@ -63,7 +66,9 @@ _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in nam
 _SUBMODULES = ("export", "summary")
 # Derived from the table: one list of public names (the TYPE_CHECKING block at the end must
 # import the same names from the same modules; tests/estimator/architecture_test.py checks it).
-__all__ = sorted([*_MODULE_OF, *_SUBMODULES])
+# A TF private name kept for ported code (``_load_global_step_from_checkpoint_dir``) resolves
+# like the others but stays out of ``__all__``.
+__all__ = sorted(n for n in [*_MODULE_OF, *_SUBMODULES] if not n.startswith("_"))
 
 
 def __getattr__(name: str) -> Any:
@@ -116,6 +121,9 @@ if TYPE_CHECKING:  # _EXPORTS spelled out for type checkers (``X as X``: re-expo
     from .context import padding_mask as padding_mask
     from .cross_shard_optimizer import CrossShardOptimizer as CrossShardOptimizer
     from .driver.preemption import Preempted as Preempted
+    from .engine.scopes import AUTO_REUSE as AUTO_REUSE
+    from .engine.scopes import get_variable as get_variable
+    from .engine.scopes import variable_scope as variable_scope
     from .engine.traced import TracedValueError as TracedValueError
     from .errors import CheckpointError as CheckpointError
     from .errors import CheckpointMismatchError as CheckpointMismatchError
@@ -130,9 +138,13 @@ if TYPE_CHECKING:  # _EXPORTS spelled out for type checkers (``X as X``: re-expo
     from .exporters import FinalExporter as FinalExporter
     from .exporters import LatestExporter as LatestExporter
     from .input_context import InputContext as InputContext
+    from .io.checkpoint_utils import (
+        _load_global_step_from_checkpoint_dir as _load_global_step_from_checkpoint_dir,
+    )
     from .io.checkpoint_utils import checkpoints_iterator as checkpoints_iterator
     from .io.checkpoint_utils import latest_checkpoint as latest_checkpoint
     from .io.checkpoint_utils import list_variables as list_variables
+    from .io.checkpoint_utils import load_global_step as load_global_step
     from .io.checkpoint_utils import load_variable as load_variable
     from .io.export import (
         build_raw_serving_input_receiver_fn as build_raw_serving_input_receiver_fn,

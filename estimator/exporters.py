@@ -38,8 +38,8 @@ import jax
 
 from hooks import event_reader
 
-from .errors import EstimatorTypeError, EstimatorValueError
-from .io import storage
+from . import storage
+from .errors import EstimatorRuntimeError, EstimatorTypeError, EstimatorValueError
 from .io.export import export_versions
 
 log = logging.getLogger("estimator")
@@ -338,7 +338,7 @@ def as_exporters(exporters: Any) -> tuple[Exporter, ...]:
     return exporters
 
 
-class ExportsInterrupted(Exception):
+class ExportsInterrupted(EstimatorRuntimeError):
     """A stop request (SIGTERM) ended ``run_exporters`` before the named exporter ran."""
 
 

@@ -58,8 +58,9 @@ from tensorboardX.summary import scalar as scalar_summary
 
 from hooks.timer import SecondOrStepTimer
 
+from . import storage
 from .errors import EstimatorRuntimeError, EstimatorValueError
-from .io import storage, store_events
+from .storage import events as store_events
 
 store_events.register()  # event files on gs:// and s3:// through the storage seam
 

@@ -32,9 +32,9 @@ from collections.abc import Callable, Sequence
 import hooks as hooks_lib
 
 from . import exporters as exporters_lib
+from . import storage
 from .driver import preemption
-from .errors import EstimatorTypeError, EstimatorValueError
-from .io import storage
+from .errors import EstimatorRuntimeError, EstimatorTypeError, EstimatorValueError
 from .parallel import multihost
 
 log = logging.getLogger("estimator")
@@ -98,7 +98,7 @@ def _now() -> float:
 PENDING_FILE = "evaluation_pending.json"
 
 
-class _Interrupted(Exception):
+class _Interrupted(EstimatorRuntimeError):
     """A stop request ended an evaluation: it and its exports are redone on restart."""
 
 

@@ -6,7 +6,10 @@ the modules model_fn has built so far, each as a ``Variable``:
 
 - ``v.name`` is TF's form, ``dense/kernel:0`` (the name ``est.get_variable_names()`` shows,
   with TF's ``:0``); TF code that strips the suffix (``re.match("^(.*):\\d+$", name)``) or
-  tests a substring (``'batch_normalization' not in v.name``) reads it unchanged.
+  tests a substring (``'batch_normalization' not in v.name``) reads it unchanged. A batch
+  norm's variables (``BatchNorm_0/scale:0``) also answer ``in`` for TF's names of them,
+  ``batch_normalization``, ``gamma`` and ``beta`` (``VariableName``), so that filter leaves
+  them out as it did in TF.
 - ``v.value`` is the array, the one the loss is differentiated through in TRAIN mode.
   Arithmetic (``v * v``, ``v ** 2``, ``v @ x``), indexing and the array's own methods
   (``v.sum()``, ``v.astype(jnp.float32)``) work on the Variable itself. ``jnp`` functions
@@ -135,7 +138,62 @@ def trainable_variables() -> list[Variable]:
             "est.get_variable_names()"
         )
     params = nn.meta.unbox(root.variables.get("params", {}))
-    return [Variable(f"{name}:0", value) for name, value in sorted(named_variables(params).items())]
+    batch_norms = _batch_norm_paths(root)
+    return [
+        Variable(VariableName(f"{name}:0", _tf_aliases(name, batch_norms)), value)
+        for name, value in sorted(named_variables(params).items())
+    ]
 
 
-__all__ = ["Variable", "trainable_variables"]
+class VariableName(str):
+    """A variable's name (``BatchNorm_0/scale:0``) that a substring test also matches against
+    the names TF gave the same variable (``batch_normalization``, ``gamma``, ``beta`` for a
+    batch norm's scale and bias), so TF's weight-decay filter ``'batch_normalization' not in
+    v.name`` leaves a Flax BatchNorm out as it left TF's out. Only ``in`` sees the aliases;
+    the text, ``==``, ``re`` and ``startswith`` are the name's own."""
+
+    aliases: tuple[str, ...]
+
+    def __new__(cls, name: str, aliases: tuple[str, ...] = ()):
+        self = super().__new__(cls, name)
+        self.aliases = aliases
+        return self
+
+    def __contains__(self, sub: object) -> bool:
+        return str.__contains__(self, sub) or any(sub in a for a in self.aliases)
+
+    def __reduce__(self):
+        return VariableName, (str(self), self.aliases)
+
+
+# TF's batch normalization named its scale and bias ``gamma`` and ``beta``.
+_TF_BATCH_NORM_LEAVES = {"scale": "gamma", "bias": "beta"}
+
+
+def _batch_norm_paths(root: nn.Module) -> set[str]:
+    """The paths (``block/BatchNorm_0``) of the batch-norm modules built so far: Flax's
+    ``nn.BatchNorm`` and any module class named like one (the zoo's, a user's)."""
+    found: set[str] = set()
+
+    def visit(module: nn.Module, path: tuple[str, ...]) -> None:
+        for name, child in module._state.children.items():
+            if not isinstance(child, nn.Module):  # a setup() name not yet bound
+                continue
+            here = (*path, name)
+            kind = type(child).__name__.lower().replace("_", "")
+            if isinstance(child, nn.BatchNorm) or "batchnorm" in kind:
+                found.add("/".join(here))
+            visit(child, here)
+
+    visit(root, ())
+    return found
+
+
+def _tf_aliases(name: str, batch_norms: set[str]) -> tuple[str, ...]:
+    module, _, leaf = name.rpartition("/")
+    if module not in batch_norms:
+        return ()
+    return ("batch_normalization", *filter(None, [_TF_BATCH_NORM_LEAVES.get(leaf)]))
+
+
+__all__ = ["Variable", "VariableName", "trainable_variables"]

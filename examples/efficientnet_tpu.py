@@ -259,11 +259,6 @@ def export(est, export_dir, input_image_size=None):
     )
 
 
-def _load_global_step_from_checkpoint_dir(checkpoint_dir):  # changed: TF's private helper
-    ckpt = estimator_lib.latest_checkpoint(checkpoint_dir)
-    return 0 if ckpt is None else int(estimator_lib.load_variable(ckpt, "global_step"))
-
-
 def higher_top_1(best_eval_result, current_eval_result):  # changed: archive_ckpt's rule
     return current_eval_result["top_1_accuracy"] > best_eval_result["top_1_accuracy"]
 
@@ -337,7 +332,9 @@ def main(unused_argv):
             except estimator_lib.NoCheckpointError:  # changed: tf.errors.NotFoundError
                 logging.info("Checkpoint %s no longer exists, skipping checkpoint", ckpt)
     else:  # FLAGS.mode == 'train' or FLAGS.mode == 'train_and_eval'
-        current_step = _load_global_step_from_checkpoint_dir(FLAGS.model_dir)  # changed
+        current_step = estimator_lib._load_global_step_from_checkpoint_dir(  # changed: ns
+            FLAGS.model_dir
+        )
         if FLAGS.mode == "train":
             est.train(input_fn=train_input_fn, max_steps=FLAGS.train_steps)
         else:

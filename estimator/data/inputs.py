@@ -25,8 +25,9 @@ from jax.sharding import Mesh
 from ..errors import EstimatorTypeError, EstimatorValueError
 from ..input_context import InputContext
 from ..parallel import multihost
-from . import threads
+from . import structure, threads
 from .layout import BatchLayout
+from .single_batch import as_batches
 
 log = logging.getLogger("estimator")
 
@@ -37,6 +38,9 @@ def call_input_fn(
     input_fn: Callable, *, params: dict, config: Any, mode: str, input_context: InputContext
 ) -> Iterator:
     """Calls input_fn with the arguments it names and returns an iterator over its batches.
+
+    One ``(features, labels)`` tuple of arrays is one batch, as TF's input_fn returned tensors
+    (``single_batch``: repeated in TRAIN, once in EVAL and PREDICT).
 
     Raises:
       ValueError: input_fn takes no ``params`` or an unknown argument.
@@ -65,6 +69,9 @@ def call_input_fn(
         data = data.as_numpy_iterator()
     if data is None:
         raise EstimatorTypeError("input_fn returned None; it must return an iterable of batches")
+    single = as_batches(data, mode=mode, batch_size=params.get("batch_size"))
+    if single is not None:  # one (features, labels) pair, as TF's input_fn returned tensors
+        return single
     try:
         return iter(data)
     except TypeError:
@@ -217,6 +224,7 @@ def _check_python_lists(tree: Any) -> None:
 
 def signature_of(tree: Any) -> Signature:
     _check_python_lists(tree)
+    structure.check_row_lists(tree)
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
     leaves = [_canonical(x, _name(p)) for p, x in leaves_with_path]
     for (path, _), x in zip(leaves_with_path, leaves):
@@ -256,7 +264,10 @@ def conform(tree: Any, sig: Signature, *, rows: int, allow_short: bool) -> tuple
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if treedef != sig.treedef:
         raise EstimatorValueError(
-            f"input batch structure changed: expected {sig.treedef}, got {treedef}"
+            f"input batch structure changed: {structure.change(sig.paths, tree)}. Each "
+            "batch is read by TF's rule: a 2-element tuple or list is (features, labels), "
+            "anything else is features; input_fn returns an iterable of such batches, or "
+            "one (features, labels) tuple of arrays"
         )
     out = []
     for x, name, shape, dtype in zip(leaves, sig.paths, sig.shapes, sig.dtypes):
@@ -298,7 +309,7 @@ def _batch_rows(leaves: list, names: list[str], rows: int) -> int:
     batch = rows if rows in counts else max(counts, key=lambda d: (counts[d], d))
     wrong = [f"{name} (shape {x.shape})" for name, x in zip(names, leaves) if x.shape[0] != batch]
     raise EstimatorValueError(
-        f"input batch entry {', '.join(wrong)} does not lead with the batch dimension: the "
+        f"input batch entry {structure.some(wrong)} does not lead with the batch dimension: the "
         f"batch has {batch} rows (batch size {rows}) and every entry must be batch-major, "
         "shape (batch, ...). Transpose such an entry back in input_fn (e.g. TF's "
         "transpose_input layout [H, W, C, batch]) and transpose it in model_fn if the model "

@@ -8,11 +8,11 @@ from typing import NamedTuple
 
 from jax.sharding import Mesh
 
+from .. import storage
 from ..config import RunConfig
 from ..data.feeder import Feeder
 from ..engine.model import ModelFn
 from ..engine.programs import Programs
-from ..io import storage
 from ..io.store import StateStore
 
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import re
 from collections.abc import Callable
 from typing import Any
 
+import flax
 import flax.linen as nn
 import jax
 
@@ -154,7 +156,7 @@ class ModelFn:
     def init(self, rngs: dict, features, labels, *, mode: str, batch_size: int | None, mask, step):
         """Creates every variable by tracing model_fn once; returns (variables, spec)."""
         root = self._root(mode, batch_size)
-        with self._scope(mode, mask, step, initializing=True):
+        with self._scope(mode, mask, step, initializing=True), _explained_name_clash():
             spec, variables = root.init_with_output(rngs, features, labels)
         return variables, self._noted_spec(spec, mode)
 
@@ -176,16 +178,42 @@ class ModelFn:
         rngs: dict | None = None,
         mutable: tuple = (),
     ) -> tuple[TPUEstimatorSpec, dict]:
-        """Runs model_fn on existing variables; returns (spec, updated mutable collections)."""
+        """Runs model_fn on existing variables; returns (spec, updated mutable collections).
+
+        With no ``mutable`` (EVAL, PREDICT, export) the state collections are still writable
+        and what model_fn writes is dropped: a BatchNorm in training mode there (TF programs
+        call their networks with ``is_training=True`` in EVAL) normalises with the batch's
+        statistics, as TF did, and its moving averages stay as trained.
+        """
         root = self._root(mode, batch_size)
-        with self._scope(mode, mask, step):
-            if mutable:
-                spec, new_vars = root.apply(
-                    variables, features, labels, rngs=rngs, mutable=list(mutable)
-                )
-            else:
-                spec, new_vars = root.apply(variables, features, labels, rngs=rngs), {}
-        return self._noted_spec(spec, mode), dict(new_vars)
+        writable = list(mutable) or [c for c in variables if c != "params"]
+        with self._scope(mode, mask, step), _explained_name_clash():
+            spec, new_vars = root.apply(variables, features, labels, rngs=rngs, mutable=writable)
+        return self._noted_spec(spec, mode), dict(new_vars) if mutable else {}
+
+
+@contextlib.contextmanager
+def _explained_name_clash():
+    """Flax's NameInUseError from model_fn, with the TF way to share the variables.
+
+    A TF program builds a network twice under one ``variable_scope(reuse=AUTO_REUSE)`` (a GAN's
+    discriminator on real and generated images); its direct port builds two Flax modules of
+    one name, which Flax refuses with no hint.
+    """
+    try:
+        yield
+    except flax.errors.NameInUseError as e:
+        first = str(e).splitlines()[0]
+        found = re.search(r'"([^"]+)"', first)
+        name = found.group(1) if found else "<name>"
+        raise EstimatorValueError(
+            f"{first} model_fn builds two modules (or variables) named {name!r} in one scope. "
+            "To share their variables, as TF's variable_scope(reuse=tf.AUTO_REUSE) did, build "
+            f"them under `with estimator.variable_scope({name!r}, "
+            "reuse=estimator.AUTO_REUSE):` (the modules inside, named as before) or construct "
+            "the module once and call that instance twice; to keep two copies, give them "
+            "different names"
+        ) from e
 
 
 def step_rngs(base_key: jax.Array, step, replica) -> dict:

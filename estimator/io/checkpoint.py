@@ -37,6 +37,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from .. import storage
 from .._compat import absl_warning_dropped, standard_handler_with_array_handler
 from ..errors import (
     CheckpointError,
@@ -44,7 +45,7 @@ from ..errors import (
     EstimatorValueError,
     NoCheckpointError,
 )
-from . import disk_full, orbax_noise, step_names, storage
+from . import disk_full, orbax_noise, step_names
 from . import variables as variables_lib
 from .meta_format import checked_meta, load_json, with_checksum
 

@@ -1,5 +1,6 @@
 """TF's checkpoint utilities: ``checkpoints_iterator``, ``latest_checkpoint``, ``list_variables``,
-``load_variable``.
+``load_variable``, and ``load_global_step`` (TF's private
+``_load_global_step_from_checkpoint_dir``).
 
 Checkpoints are directories named as TF named its checkpoint prefixes,
 ``<model_dir>/model.ckpt-<step>``, so ``int(path.split("-")[-1])`` is the step. Every function
@@ -23,10 +24,10 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from .. import storage
 from ..errors import EstimatorValueError
-from . import storage
 from .checkpoint import Checkpoints, read_variables, resolve_path
-from .step_names import has_checkpoints
+from .step_names import has_checkpoints, parse_step_path
 
 log = logging.getLogger("estimator")
 
@@ -45,6 +46,38 @@ def latest_checkpoint(checkpoint_dir: str) -> str | None:
     ckpts = Checkpoints(checkpoint_dir, read_only=True)
     step = ckpts.newest_step()
     return None if step is None else ckpts.path(step)
+
+
+def load_global_step(checkpoint_dir: str) -> int:
+    """The global step of the newest checkpoint in ``checkpoint_dir``; 0 when there is none.
+
+    TF's private ``_load_global_step_from_checkpoint_dir(model_dir)`` of
+    ``tensorflow.python.estimator.estimator`` (exported under that name too), which the
+    tensorflow/tpu mains (ResNet, EfficientNet, DCGAN, ...) call to decide how far training
+    got. The public name follows ``load_variable``: it is
+    ``load_variable(latest_checkpoint(dir), "global_step")`` with TF's 0 for a directory that
+    is missing, empty or not a model_dir (a step directory too: TF looks for the newest
+    checkpoint *in* the directory). Only the directory listing is read, no variable.
+
+    Args:
+      checkpoint_dir: a model_dir (a local path or a URL such as ``gs://bucket/run``).
+
+    Returns:
+      The step of its newest complete checkpoint, or 0.
+
+    Example:
+      >>> current_step = estimator.load_global_step("/runs/resnet")
+      >>> while current_step < train_steps:
+      ...     current_step = min(current_step + steps_per_eval, train_steps)
+      ...     est.train(train_input_fn, max_steps=current_step)
+    """
+    path = latest_checkpoint(str(checkpoint_dir))
+    parsed = None if path is None else parse_step_path(path)
+    return 0 if parsed is None else parsed[1]
+
+
+# TF's private name: ported mains keep their ``<estimator module>._load_global_step_...`` line.
+_load_global_step_from_checkpoint_dir = load_global_step
 
 
 def _wait_for_new_checkpoint(
@@ -153,4 +186,10 @@ def load_variable(ckpt_or_dir: str, name: str) -> np.ndarray:
     return value.copy() if isinstance(value, np.ndarray) else value  # the caller's own
 
 
-__all__ = ["checkpoints_iterator", "latest_checkpoint", "list_variables", "load_variable"]
+__all__ = [
+    "checkpoints_iterator",
+    "latest_checkpoint",
+    "list_variables",
+    "load_global_step",
+    "load_variable",
+]

@@ -14,8 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from .. import summary
-from . import storage
+from .. import storage, summary
 
 log = logging.getLogger("estimator")
 

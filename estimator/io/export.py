@@ -60,8 +60,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import storage
 from ..errors import EstimatorTypeError, EstimatorValueError
-from . import export_temp, storage, tf_saved_model
+from . import export_temp, tf_saved_model
 from . import variables as variables_lib
 
 COMPUTATION_FILE = "saved_model.jax"
@@ -77,6 +78,7 @@ _CANONICAL = {
     np.dtype(np.uint64): np.uint32,
 }
 logger = logging.getLogger(__name__)
+_NO_TF_SAID = [False]  # the "TensorFlow is not installed" warning was given in this process
 
 
 # --------------------------------------------------------------------------- serving input
@@ -193,11 +195,15 @@ def _json(signature: dict) -> str:
 
 
 def _write_tf(directory: str, export: ExportedProgram, names: list[str], specs: Any) -> bool:
-    """The TF SavedModel, when TensorFlow is installed; else one log line saying how."""
+    """The TF SavedModel, when TensorFlow is installed; else one log line per process saying
+    how (an exporter may export at every evaluation: not one warning each time)."""
     if not tf_saved_model.tensorflow_available():
-        logger.warning(
+        level = logging.DEBUG if _NO_TF_SAID[0] else logging.WARNING
+        _NO_TF_SAID[0] = True
+        logging.getLogger("estimator").log(
+            level,
             "TensorFlow is not installed: wrote the portable export only (%s/), no TF "
-            "SavedModel for TF Serving; to get one: %s",
+            "SavedModel for TF Serving (said once per process); to get one: %s",
             PORTABLE_DIR,
             tf_saved_model.INSTALL_HINT,
         )

@@ -25,8 +25,8 @@ import hashlib
 import json
 from typing import Any
 
+from .. import storage
 from ..errors import CheckpointError
-from . import storage
 
 MAX_META_DEPTH = 64
 LEGACY_KEYS = frozenset({"global_step", "input_pulls", "input_state", "input_states"})

@@ -22,8 +22,8 @@ from collections.abc import Iterable, Iterator
 from etils import epath
 from orbax.checkpoint._src.path import step as step_lib
 
+from .. import storage
 from ..errors import EstimatorError
-from . import storage
 
 PREFIX = "model.ckpt-"
 LEGACY_DIR = "checkpoints"  # the layout before: <model_dir>/checkpoints/<step>

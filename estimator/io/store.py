@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from .. import storage
 from . import checkpoint as ckpt_lib
-from . import storage
 
 
 class LastState(NamedTuple):

@@ -83,3 +83,29 @@ def test_outside_model_fn_they_say_where_they_work():
         estimator.trainable_variables()
     with pytest.raises(RuntimeError, match="inside model_fn"):
         estimator.get_or_create_global_step()
+
+
+def test_tfs_batch_normalization_filter_leaves_flax_batch_norms_out(tmp_path):
+    """Issue 41 item 9: ``'batch_normalization' not in v.name`` (EfficientNet, ResNet) over a
+    Flax ``BatchNorm_0`` and a user-named one, also inside a variable_scope and a get_variable."""
+    kept: dict = {}
+
+    def model_fn(features, labels, mode, params):
+        x = nn.BatchNorm(use_running_average=False)(nn.Dense(8, name="hidden")(features["x"]))
+        with estimator.variable_scope("Discriminator", reuse=estimator.AUTO_REUSE):
+            x = nn.BatchNorm(use_running_average=False, name="d_bn1")(x)
+        logits = x @ estimator.get_variable("out", [8, 3])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        tvars = estimator.trainable_variables()
+        kept["decayed"] = [v.name for v in tvars if "batch_normalization" not in v.name]
+        kept["gamma"] = [str(v.name) for v in tvars if "gamma" in v.name]
+        kept["beta"] = [str(v.name) for v in tvars if "beta" in v.name]
+        kept["re"] = [v.name for v in tvars if re.search("batch_normalization", v.name)]
+        return estimator.TPUEstimatorSpec(mode, loss=loss, train_op=optax.sgd(0.1))
+
+    est = h.make_estimator(tmp_path, model_fn, use_tpu=False)
+    est.train(h.train_input_fn(X, Y), max_steps=1)
+    assert kept["decayed"] == ["hidden/bias:0", "hidden/kernel:0", "out:0"]
+    assert kept["gamma"] == ["BatchNorm_0/scale:0", "Discriminator/d_bn1/scale:0"]
+    assert kept["beta"] == ["BatchNorm_0/bias:0", "Discriminator/d_bn1/bias:0"]
+    assert kept["re"] == []  # only ``in`` sees TF's names; the text is the checkpoint's

@@ -215,6 +215,7 @@ def staged(final: str) -> Iterator[str]:
     takes a half-uploaded directory for a finished one. A local ``final`` is used as is.
     """
     if not is_url(final):
+        os.makedirs(_local(final), exist_ok=True)
         yield _local(final)
         return
     with tempfile.TemporaryDirectory(prefix="tpu_estimator_stage_") as local:

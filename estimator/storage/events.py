@@ -22,7 +22,7 @@ from hooks import _tensorboardx  # noqa: F401  (imports tensorboardX without tor
 # isort: split
 from tensorboardX import record_writer
 
-from . import storage
+from . import files as storage
 
 SCHEMES = ("gs", "s3")
 
