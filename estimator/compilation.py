@@ -14,6 +14,11 @@ The cache is bounded (``DEFAULT_MAX_BYTES``, least recently used entries go firs
 ``jax_compilation_cache_max_size`` was set. Clear it by deleting the directory. JAX's cache
 settings are process-wide: the estimator constructed last decides.
 
+A cached program is code this process runs, so a directory another user could write is not
+used: one not owned by this user, or writable by its group or others, turns the cache off
+with one warning naming it (every program is compiled instead). A directory the estimator
+creates is made ``0700``.
+
 Example:
   >>> config = estimator.RunConfig(compilation_cache_dir=False)   # no persistent cache
   >>> with CompileCounter() as counter:
@@ -27,6 +32,7 @@ import dataclasses
 import importlib.util
 import logging
 import os
+import stat
 import threading
 from typing import Any
 
@@ -41,6 +47,8 @@ ENV_VAR = "TPU_ESTIMATOR_COMPILATION_CACHE_DIR"
 DEFAULT_MAX_BYTES = 2 << 30  # 2 GiB
 _OFF = ("0", "off", "false", "no", "none")
 _ACTIVE: list[str | None] = [None]  # the directory this module turned on, if any
+_REFUSED: set[str] = set()  # untrusted directories already warned about (once per process)
+_REFUSED_LOCK = threading.Lock()
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 CACHE_HIT = "/jax/compilation_cache/cache_hits"
@@ -85,14 +93,16 @@ def configure_cache(setting: Any) -> str | None:
     """
     path = resolve_cache_dir(setting)
     current = jax.config.jax_compilation_cache_dir
-    if path == current:  # already so (ours, or set by the user through JAX: left alone)
-        return path
     if path is not None:
         try:
-            os.makedirs(path, exist_ok=True)
+            os.makedirs(path, mode=0o700, exist_ok=True)
         except OSError as e:
             log.warning("Compilation cache off: cannot create %s (%s)", path, e)
             path = None
+    if path is not None and not trusted_dir(path):
+        path = None
+    if path == current:  # already so (ours, or set by the user through JAX: left alone)
+        return path
     if path is None and current is None:
         return None
     jax.config.update("jax_compilation_cache_dir", path)
@@ -106,6 +116,51 @@ def configure_cache(setting: Any) -> str | None:
     _ACTIVE[0] = path
     log.info("Persistent compilation cache %s", f"in {path}" if path else "off")
     return path
+
+
+def untrusted_reason(path: str) -> str | None:
+    """Why another user could place files in the directory ``path``; None when only this
+    user (or root) can."""
+    if not hasattr(os, "geteuid"):  # no POSIX owners and modes (Windows): not checked
+        return None
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        return f"not readable ({e.strerror})"
+    if not stat.S_ISDIR(st.st_mode):
+        return "not a directory"
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"owned by another user (uid {st.st_uid}; this process runs as {os.geteuid()})"
+    if st.st_mode & 0o022:
+        who = {0o020: "its group", 0o002: "every user"}.get(st.st_mode & 0o022, "group and others")
+        return f"writable by {who} (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def trusted_dir(path: str) -> bool:
+    """Whether programs may be loaded from ``path``; warns once per directory when not.
+
+    A cached program is code that this process runs: a directory another user can write
+    could hand it theirs.
+    """
+    why = untrusted_reason(path)
+    if why is None:
+        return True
+    with _REFUSED_LOCK:
+        first = path not in _REFUSED
+        _REFUSED.add(path)
+    if first:
+        log.warning(
+            "Compilation cache off: %s is %s, so another user could place programs there "
+            "that this process would run; every program is compiled instead. Use a directory "
+            "only you can write (chmod go-w %s, or another RunConfig(compilation_cache_dir=...) "
+            "or $%s).",
+            path,
+            why,
+            path,
+            ENV_VAR,
+        )
+    return False
 
 
 @dataclasses.dataclass(eq=False)

@@ -190,7 +190,8 @@ class RunConfig:
         ``~/.cache/tpu-estimator/jax``), ``False`` turns it off (``estimator.compilation``).
       skip_nonfinite_steps: skip (on every replica together) a step whose loss or gradients
         are not finite, count it in the ``nonfinite_steps`` summary, and keep training.
-      progress_bar: a tqdm bar on a terminal (``None``: when stderr is a terminal).
+      progress_bar: a tqdm bar (``None``: when stderr is a terminal or the process is a
+        Jupyter/IPython kernel, unless ``TPU_ESTIMATOR_NO_PROGRESS_BAR`` is set).
       resume_input_position: on resuming, skip the training batches already consumed.
 
     TF-only arguments ``master``, ``evaluation_master`` and ``session_config`` are accepted
@@ -254,6 +255,11 @@ class RunConfig:
         seed = self.tf_random_seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise EstimatorTypeError(f"tf_random_seed must be an int, got {seed!r}")
+        if seed is not None and not -(2**63) <= seed < 2**63:  # JAX's seeds are int64, as TF's
+            raise EstimatorValueError(
+                f"tf_random_seed must fit in 64 bits (-2**63 <= seed < 2**63, as TF's int64 "
+                f"seeds), got {seed}; use a smaller seed, e.g. seed % 2**63"
+            )
 
     @property
     def checkpoint_every_secs(self) -> float | None:

@@ -26,6 +26,7 @@ import contextlib
 import functools
 import io
 import json
+import logging
 import os
 import pathlib
 import re
@@ -74,13 +75,29 @@ def _shorten(code: str, tmp: pathlib.Path) -> str:
 
 
 _PRINTED: dict[str, str] = {}  # page -> what its blocks printed
+_WARNED: dict[str, list[str]] = {}  # page -> the warnings (and errors) its blocks logged
+
+
+class _Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.levelname}:{record.name}:{record.getMessage()}")
 
 
 def _run(page: str, line: int, code: str, namespace: dict, tmp: pathlib.Path) -> dict:
     compiled = compile(_shorten(code, tmp), f"{page}:{line}", "exec")
-    with contextlib.redirect_stdout(io.StringIO()) as printed:
-        exec(compiled, namespace)  # noqa: S102 - the documentation's own examples
+    warned = _Warnings()
+    logging.getLogger().addHandler(warned)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            exec(compiled, namespace)  # noqa: S102 - the documentation's own examples
+    finally:
+        logging.getLogger().removeHandler(warned)
     _PRINTED[page] = _PRINTED.get(page, "") + printed.getvalue()
+    _WARNED[page] = _WARNED.get(page, []) + warned.lines
     return namespace
 
 
@@ -132,6 +149,13 @@ def test_quick_start_trains_evaluates_and_predicts(docs_tmp):
     assert evaluated["global_step"] == (500 if AS_WRITTEN else 500 // 25)  # max_steps reached
     assert evaluated["accuracy"] > (0.98 if AS_WRITTEN else 0.5)  # README: 0.98...
     assert len(ns["predictions"]) == len(ns["x"])
+
+
+def test_quick_start_logs_no_warning(docs_tmp):
+    """A newcomer's first run prints nothing they would take for a fault (issue 42: its own
+    input_fn's short batches were warned about)."""
+    _page_namespace("README.md", docs_tmp)
+    assert _WARNED["README.md"] == []
 
 
 # Blocks that need more than one device: on one CPU device each must fail at its first line

@@ -31,8 +31,8 @@ from typing import IO, Any
 
 import numpy as np
 
+from .. import storage
 from ..errors import CheckpointMismatchError, EstimatorError, NoCheckpointError
-from ..io import storage
 from . import checks, configs, usage
 from .usage import PROG, Invocation, UsageError
 
@@ -148,8 +148,8 @@ def run(inv: Invocation, *, out: IO[str] | None = None) -> dict[str, Any] | None
     """
     config = configs.load_config(inv.config)
     configs.apply_overrides(config, inv.overrides)
-    model_dir = _model_dir(inv)
-    # What needs no JAX is checked first, so a user's mistake answers in well under a second.
+    # What needs no JAX is checked first, so a user's mistake answers in well under a second
+    # (and before a temporary model_dir is made).
     checks.check_job(
         inv.command,
         config,
@@ -157,6 +157,7 @@ def run(inv: Invocation, *, out: IO[str] | None = None) -> dict[str, Any] | None
         output=inv.output,
         export_dir=inv.export_dir,
     )
+    model_dir = _model_dir(inv)
     # The estimator (and JAX) only now that the arguments are good; see the module docstring.
     import jax
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.machinery
 import importlib.util
 import os
 from typing import Any
@@ -34,14 +35,12 @@ def load_config(path: str | None = None) -> ml_collections.ConfigDict:
     """``get_config()`` of a config file, or of the packaged config of that name.
 
     Raises:
-      UsageError: no such file or packaged config (naming the closest), or no get_config.
+      UsageError: no such file or packaged config (naming the closest), a file that is not
+        Python (``--config /etc/passwd``) or has a syntax error, or no get_config.
     """
     path = path or DEFAULT_CONFIG
     if os.path.isfile(path):
-        name = "_job_config_" + os.path.splitext(os.path.basename(path))[0]
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = _exec_config_file(path)
     else:
         name = os.path.splitext(os.path.basename(path))[0]
         known = packaged_configs()
@@ -55,6 +54,35 @@ def load_config(path: str | None = None) -> ml_collections.ConfigDict:
     if not callable(getattr(module, "get_config", None)):
         raise UsageError(f"--config {path}: the file defines no get_config()")
     return _with_trainer_defaults(module.get_config())
+
+
+def _exec_config_file(path: str) -> Any:
+    """The module a config file defines; a file that is not Python source is a usage error.
+
+    The file is read as Python whatever its name (``spec_from_file_location`` gives no
+    loader for a name without ``.py``, which used to end in an ``AttributeError``).
+    """
+    name = "_job_config_" + os.path.splitext(os.path.basename(path))[0].replace(".", "_")
+    loader = importlib.machinery.SourceFileLoader(name, path)
+    spec = importlib.util.spec_from_loader(name, loader)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        loader.exec_module(module)
+    except OSError as e:
+        raise UsageError(f"--config {path}: cannot be read ({e.strerror})") from None
+    except Exception as e:
+        # A syntax error (or null bytes: a binary file), or any failure of a file not named
+        # .py, is not a config; an error inside a .py config keeps its traceback (a bug).
+        not_source = isinstance(e, SyntaxError) or "null bytes" in str(e)
+        if not not_source and path.endswith(".py"):
+            raise
+        where = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+        raise UsageError(
+            f"--config {path}: not a Python config file{where}: "
+            f"{type(e).__name__}: {getattr(e, 'msg', e)}; give a .py file that defines "
+            "get_config(), or a packaged config's name"
+        ) from None
+    return module
 
 
 def _with_trainer_defaults(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

@@ -4,9 +4,12 @@ TensorBoard's hparams plugin treats each run directory holding a *session start*
 session: its hyperparameters are the session start's values, its metrics every scalar of
 that directory and of its sub-directories (``eval/accuracy``, ``eval/loss``, ``loss``,
 ``learning_rate``), each shown at its last value. So the estimator writes one session start
-into ``model_dir`` when a run begins training from scratch, with the user's ``params``
-(numbers, strings and bools; other values are skipped), and the final evaluation metrics
-reach the tab as the ``eval`` scalars that ``evaluate`` writes anyway. No experiment summary
+into ``model_dir`` when a run begins training from scratch, with the trainer's settings
+(``trainer_hparams``: batch size, compute dtype, micro-batches, iterations per loop,
+``max_steps``, the optimizer's name) and the user's ``params`` (numbers, strings and bools;
+other values are skipped; a ``params`` key wins over a trainer setting of the same name),
+and the final evaluation metrics reach the tab as the ``eval`` scalars that ``evaluate``
+writes anyway. No experiment summary
 is written: TensorBoard builds one from the sessions of every run below its ``--logdir``
 (an experiment summary in one run would hide the others' hyperparameters).
 
@@ -23,6 +26,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from hooks import _tensorboardx  # noqa: F401  (imports tensorboardX without torch)
+
+from .optimizer_info import optimizer_name
 
 log = logging.getLogger("estimator")
 
@@ -43,6 +48,31 @@ def hparam_values(params: Mapping[str, Any]) -> dict[str, bool | float | str]:
             item = value.item()  # a numpy scalar
             if isinstance(item, (bool, str, numbers.Real)):
                 out[str(key)] = item if isinstance(item, (bool, str)) else float(item)
+    return out
+
+
+def trainer_hparams(
+    config: Any, *, global_batch: int, max_steps: int | None, train_op: Any = None
+) -> dict[str, bool | float | str]:
+    """The trainer's settings of a run, for the HPARAMS tab.
+
+    Args:
+      config: the run's ``RunConfig``.
+      global_batch: the training batch of one step, over every replica.
+      max_steps: the step the call trains to (None: until the input ends; left out).
+      train_op: the spec's optax optimizer, named by ``optimizer_info.optimizer_name``.
+    """
+    tpu = config.tpu_config
+    out: dict[str, bool | float | str] = {
+        "train_batch_size": global_batch,
+        "compute_dtype": tpu.compute_dtype or "float32",
+        "num_microbatches": tpu.num_microbatches,
+        "iterations_per_loop": tpu.iterations_per_loop,
+    }
+    if max_steps is not None:
+        out["max_steps"] = max_steps
+    if train_op is not None:
+        out["optimizer"] = optimizer_name(train_op)
     return out
 
 

@@ -25,6 +25,18 @@ from ..io.variables import path_name
 _SHOWN = 4  # names listed in the error
 
 
+def first_step_hint(step: int | None) -> str:
+    """What a non-finite loss at global step 1 usually means: the input, not divergence."""
+    if step != 1:
+        return ""
+    return (
+        " At the first step this usually comes from the input, not from training: labels "
+        "out of range for the logits (a class id < 0 or >= the number of classes makes "
+        "softmax_cross_entropy_with_integer_labels NaN), or NaN/Inf in the features. Check "
+        "the labels' range (e.g. labels.min() and labels.max()) in input_fn."
+    )
+
+
 def state_leaf_names(params: Any, collections: Any, opt_state: Any) -> list[str]:
     """Names of the leaves the device flags cover, in their order: variables as
     ``io.variables`` names them (``hidden/kernel``, ``batch_stats/bn/mean``), the optimizer
@@ -68,6 +80,6 @@ def check_finite(
         f"NaN or Inf in the training state at global step {step} "
         f"(non-finite: {', '.join(bad[:_SHOWN])}{more}; loss = {loss}). Training stopped "
         "before saving it: no checkpoint holds a non-finite value, the newest one is the "
-        "last finite state.",
+        f"last finite state.{first_step_hint(step) if 'loss' in bad else ''}",
         global_step=step,
     )

@@ -253,11 +253,26 @@ def format_bytes(n: int) -> str:
 
 
 def progress_enabled(setting: bool | None) -> bool:
-    """``RunConfig.progress_bar`` when set; otherwise on when stderr is a terminal and
+    """``RunConfig.progress_bar`` when set; otherwise on when stderr is a terminal or the
+    process is a Jupyter/IPython kernel (tqdm.auto shows its notebook widget there), and
     ``TPU_ESTIMATOR_NO_PROGRESS_BAR`` is not set."""
     if setting is not None:
         return bool(setting)
-    return sys.stderr.isatty() and not os.environ.get("TPU_ESTIMATOR_NO_PROGRESS_BAR")
+    if os.environ.get("TPU_ESTIMATOR_NO_PROGRESS_BAR"):
+        return False
+    return sys.stderr.isatty() or in_notebook()
+
+
+def in_notebook() -> bool:
+    """Whether this process is a Jupyter (or Colab) kernel: tqdm.auto's own test, without
+    importing IPython where it was not imported."""
+    ipython = sys.modules.get("IPython")
+    get_ipython = getattr(ipython, "get_ipython", None)
+    try:
+        shell = get_ipython() if get_ipython is not None else None
+        return shell is not None and "IPKernelApp" in shell.config
+    except Exception:  # noqa: BLE001 (a shell without a config: not a kernel)
+        return False
 
 
 def _console_logging(logger: logging.Logger) -> bool:

@@ -23,15 +23,21 @@ from hooks import SessionRunArgs, SessionRunContext, SessionRunHook, SessionRunV
 from .. import summary
 from ..errors import NanLossDuringTrainingError
 from ..io import variables as variables_lib
+from . import nonfinite, optimizer_info
 
 log = logging.getLogger("estimator")
 
 
 class NanLossHook(hooks.NanTensorHook):
     """The default ``NanTensorHook``; raises ``estimator.NanLossDuringTrainingError`` (also a
-    ``hooks.NanLossDuringTrainingError``), so ``except estimator.EstimatorError`` catches it."""
+    ``hooks.NanLossDuringTrainingError``), so ``except estimator.EstimatorError`` catches it.
+    At global step 1 the error adds where such a loss usually comes from (labels out of
+    range for the logits)."""
 
-    error = NanLossDuringTrainingError
+    @staticmethod
+    def error(message: str, *, global_step: int | None = None) -> NanLossDuringTrainingError:
+        hint = nonfinite.first_step_hint(global_step)
+        return NanLossDuringTrainingError(message + hint, global_step=global_step)
 
 
 class LossLoggingHook(SessionRunHook):
@@ -141,22 +147,53 @@ def injected_hyperparams(opt_state: Any) -> dict[str, Any]:
     return out
 
 
+_UNREADABLE_SAID: set[str] = set()  # optimizers whose unreadable rate was said (per process)
+
+
 class HyperparamSummaryHook(SessionRunHook):
-    """Writes the injected hyperparameters (``learning_rate``, ...) of the train_op as scalars.
+    """Writes the train_op's learning rate and injected hyperparameters as scalars.
 
     ``optax.inject_hyperparams`` keeps each hyperparameter's value of the latest update in the
     optimizer state, so no user code (host_call) is needed: after each loop that crosses a
     multiple of ``every`` steps, the values are written at the loop's last step (the values
-    that step used; with ``iterations_per_loop=1`` exactly every ``every`` steps).
+    that step used; with ``iterations_per_loop=1`` exactly every ``every`` steps). Any other
+    optax optimizer's ``learning_rate`` is read from its step sizes (``optimizer_info``: a
+    constant, or a schedule evaluated on the host at the count of that step's update); where
+    it cannot be read, one INFO line says how to have it written.
 
     Args:
       writer: a tensorboardX writer, or None (writes nothing).
       every: ``RunConfig.save_summary_steps``; 0 or None writes nothing.
       opt_state: returns the optimizer state after the loop (read before the next loop).
+      train_op: the spec's optax optimizer (None: only injected hyperparameters).
     """
 
-    def __init__(self, writer, *, every: int | None, opt_state: Callable[[], Any]):
+    LEARNING_RATE = "learning_rate"
+
+    def __init__(
+        self, writer, *, every: int | None, opt_state: Callable[[], Any], train_op: Any = None
+    ):
         self._writer, self._every, self._opt_state = writer, every or 0, opt_state
+        self._train_op = train_op
+        self._rate: optimizer_info.LearningRate | None = None
+
+    def begin(self) -> None:
+        if self._writer is None or not self._every or self._train_op is None:
+            return
+        injected = injected_hyperparams(self._opt_state())
+        if any(name.endswith(self.LEARNING_RATE) for name in injected):
+            return  # optax keeps it: written with the other injected values
+        self._rate = optimizer_info.learning_rate_fn(self._train_op)
+        name = optimizer_info.optimizer_name(self._train_op)
+        if self._rate is None and name not in _UNREADABLE_SAID:  # once, not per train call
+            _UNREADABLE_SAID.add(name)
+            log.info(
+                "The learning rate is not written to TensorBoard: it cannot be read from this "
+                "train_op (%s). Build it with optax.inject_hyperparams, e.g. "
+                "optax.inject_hyperparams(optax.adam)(learning_rate=schedule), to have it "
+                "written.",
+                name,
+            )
 
     def before_run(self, run_context: SessionRunContext) -> SessionRunArgs:
         return SessionRunArgs("global_step")
@@ -167,7 +204,28 @@ class HyperparamSummaryHook(SessionRunHook):
             return
         if not any(int(s) % self._every == 0 for s in steps):
             return
-        for name, value in injected_hyperparams(self._opt_state()).items():
+        opt_state = self._opt_state()
+        for name, value in injected_hyperparams(opt_state).items():
             scalar = _scalar(value)
             if scalar is not None:
                 self._writer.add_scalar(name, scalar, global_step=int(steps[-1]))
+        if self._rate is not None:
+            self._write_rate(opt_state, int(steps[-1]))
+
+    def _write_rate(self, opt_state: Any, step: int) -> None:
+        """The rate of the update that made ``step``: the schedule's count of that update
+        (the state's count after it, less one), else ``step - 1``."""
+        count = optimizer_info.schedule_count(opt_state)
+        count = step - 1 if count is None else count - 1
+        try:
+            rate = self._rate.at(max(count, 0))
+        except Exception as e:  # noqa: BLE001 (a schedule that fails on the host: not written)
+            log.info(
+                "The learning rate is not written to TensorBoard: its schedule failed on "
+                "the host (%s: %s).",
+                type(e).__name__,
+                e,
+            )
+            self._rate = None
+            return
+        self._writer.add_scalar(self.LEARNING_RATE, rate, global_step=step)

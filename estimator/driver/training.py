@@ -31,6 +31,7 @@ from ..engine import precision
 from ..engine.loops import TrainState
 from ..engine.state import fresh_train_state
 from ..errors import EstimatorTypeError, EstimatorValueError
+from ..io import disk_full
 from ..io.input_position import resume_pulls
 from ..io.lock import TrainerLock
 from ..io.restore import restore_train_state
@@ -109,7 +110,9 @@ class TrainRun:
     def run(self) -> TrainOutcome:
         called = time.monotonic()
         lock = TrainerLock(self.job.model_dir)  # one trainer per model_dir; process 0 holds it
-        multihost.run_on_process_0(lock.acquire, f"locking model_dir {self.job.model_dir}")
+        multihost.run_on_process_0(
+            lambda: _acquire(lock, self.job.model_dir), f"locking model_dir {self.job.model_dir}"
+        )
         self.startup = progress.Startup(since=called)
         try:
             return self._run_locked()
@@ -282,15 +285,20 @@ class TrainRun:
         if progress.progress_enabled(cfg.progress_bar):
             given.append(progress.ProgressBarHook(start=step, total=self.budget.target))
         self.writer = summary.writer_for(job.model_dir)
+        train_op = job.programs.spec(ModeKeys.TRAIN).train_op
         defaults = _default_hooks(
             cfg,
             given,
             writer=self.writer,
             examples_per_step=global_batch,
             opt_state=lambda: self.state.opt_state,  # after each loop, before the next one
+            train_op=train_op,
         )
         if step == 0 and cfg.save_summary_steps:  # from scratch: params in the HPARAMS tab
-            hparams.write_session_start(self.writer, job.model.params)
+            trainer = hparams.trainer_hparams(
+                cfg, global_batch=global_batch, max_steps=self.budget.target, train_op=train_op
+            )
+            hparams.write_session_start(self.writer, {**trainer, **job.model.params})
         ckpts = job.store.writer()
         self.saver = Checkpointer(
             cfg,
@@ -412,13 +420,30 @@ class TrainRun:
             self.prefetch = None
 
 
+def _acquire(lock: TrainerLock, model_dir: str) -> None:
+    """Takes the trainer lock: the first write into model_dir, so a full disk is found here
+    and named (the lock's own write raises ``ENOSPC`` without a path)."""
+    try:
+        lock.acquire()
+    except OSError as e:
+        if disk_full.is_disk_full(e):
+            raise disk_full.model_dir_full_error(model_dir, "its lock file") from e
+        raise
+
+
 def _default_hooks(
-    config: RunConfig, given, *, writer, examples_per_step: int, opt_state=lambda: None
+    config: RunConfig,
+    given,
+    *,
+    writer,
+    examples_per_step: int,
+    opt_state=lambda: None,
+    train_op=None,
 ) -> list:
-    """The training summaries (loss, speed, injected hyperparameters of the train_op, read
-    through ``opt_state()``) and the loss log line, NanTensorHook (unless non-finite steps
-    are skipped, or the user passed their own NanTensorHook, e.g. ``fail_on_nan_loss=False``)
-    and the step counter."""
+    """The training summaries (loss, speed, the learning rate and injected hyperparameters
+    of the train_op, read through ``opt_state()``) and the loss log line, NanTensorHook
+    (unless non-finite steps are skipped, or the user passed their own NanTensorHook, e.g.
+    ``fail_on_nan_loss=False``) and the step counter."""
     every = config.log_step_count_steps or 0
     out = [
         TrainSummaryHook(
@@ -428,7 +453,9 @@ def _default_hooks(
             nonfinite=precision.skips_nonfinite(config),
             loss_scale=precision.uses_loss_scale(config.tpu_config.compute_dtype),
         ),
-        HyperparamSummaryHook(writer, every=config.save_summary_steps, opt_state=opt_state),
+        HyperparamSummaryHook(
+            writer, every=config.save_summary_steps, opt_state=opt_state, train_op=train_op
+        ),
     ]
     if every:
         out.append(LossLoggingHook(every))

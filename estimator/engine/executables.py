@@ -18,6 +18,14 @@ reported to JAX's monitoring as a persistent-cache hit and a compile event, so
 removed and the program compiled again. The entries are bounded (``MAX_BYTES``, oldest
 first).
 
+An entry is unpickled, so it must come from this user: the store is used only in a cache
+directory ``compilation.trusted_dir`` accepts (owned by this user, not writable by group or
+others), and every entry is signed with HMAC-SHA256 under a key only this user can read
+(``key_path``: 32 random bytes, mode 0600, made on first use in the cache directory). An
+entry whose signature does not match (written by someone else, or by an older version,
+unsigned) is never unpickled: it is removed, with one warning per process, and the program
+compiled again.
+
 Example:
   >>> compiled = load_or_compile(jax.jit(f), (x,))   # lowers nothing when warm
   >>> compiled(x)
@@ -26,10 +34,13 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import hmac
 import logging
 import os
 import pickle
 import re
+import secrets
+import stat
 import threading
 import time
 from typing import Any
@@ -39,23 +50,31 @@ import jaxlib
 import numpy as np
 from jax.experimental import serialize_executable
 
+from .. import compilation
 from ..compilation import BACKEND_COMPILE, CACHE_HIT
 
 log = logging.getLogger("estimator")
 
 SUBDIR = "estimator-executables"
+KEY_FILE = "estimator-executables.key"
 MAX_BYTES = 1 << 30  # 1 GiB of entries; the oldest go first beyond it
 _CALLBACK = re.compile(r"\b\w*callback\[")
 _JAX_HIT = threading.local()  # set when JAX's own cache served this thread's compile
 _LISTENING: list = []
 _LISTEN_LOCK = threading.Lock()
+_MAGIC = b"tpu-estimator executable, signed\n"
+_KEY_BYTES = 32
+_KEYS: dict[str, bytes | None] = {}  # key file -> its key (None: unusable), read once
+_KEY_LOCK = threading.Lock()
+_WARNED: set[str] = set()  # what was warned about once per process
+_WARN_LOCK = threading.Lock()
 
 
 def cache_dir() -> str | None:
     """Where entries go: beside JAX's persistent cache, or None when that is off (and in a
     job of several processes, where loading a program spanning them is not tested here)."""
     base = jax.config.jax_compilation_cache_dir
-    if not base or jax.process_count() > 1:
+    if not base or jax.process_count() > 1 or not compilation.trusted_dir(base):
         return None
     return os.path.join(base, SUBDIR)
 
@@ -197,15 +216,119 @@ def _context() -> str:
     )
 
 
+def key_path(where: str) -> str:
+    """The signing key's file for the entries in ``where``: beside them, in the cache
+    directory that ``compilation.trusted_dir`` accepted (JAX's eviction removes only its own
+    ``*-cache`` files)."""
+    return os.path.join(os.path.dirname(where), KEY_FILE)
+
+
+def _warn_once(what: str, message: str, *args: Any) -> None:
+    with _WARN_LOCK:
+        first = what not in _WARNED
+        _WARNED.add(what)
+    if first:
+        log.warning(message, *args)
+
+
+def _signing_key(where: str) -> bytes | None:
+    """This user's key for ``where`` (made on first use), or None when it cannot be made or
+    trusted."""
+    path = key_path(where)
+    with _KEY_LOCK:  # programs compile ahead on other threads
+        if path not in _KEYS:
+            try:
+                _KEYS[path] = _read_key(path)
+            except OSError as e:
+                log.info("Compiled programs are not kept: no signing key at %s (%s)", path, e)
+                _KEYS[path] = None
+        return _KEYS[path]
+
+
+def _read_key(path: str) -> bytes | None:
+    if not os.path.lexists(path):
+        _create_key(path)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        key = f.read(_KEY_BYTES + 1)
+    mine = not hasattr(os, "geteuid") or st.st_uid == os.geteuid()
+    if not stat.S_ISREG(st.st_mode) or not mine or st.st_mode & 0o077 or len(key) != _KEY_BYTES:
+        _warn_once(
+            path,
+            "Compiled programs are not kept: the signing key %s is not a %d-byte file only "
+            "this user can read (mode %o); remove it and a new one is made",
+            path,
+            _KEY_BYTES,
+            stat.S_IMODE(st.st_mode),
+        )
+        return None
+    return key
+
+
+def _create_key(path: str) -> None:
+    """Writes a new key whole (a temporary file linked into place), so a process starting
+    at the same moment reads either none or all of it; the first link wins."""
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(_KEY_BYTES))
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+    finally:
+        _remove(tmp)
+
+
+def _signature(key: bytes, path: str, payload: bytes) -> bytes:
+    """The entry's HMAC, over its name too: a signed entry moved to another name fails."""
+    return hmac.new(key, os.path.basename(path).encode() + b"\0" + payload, "sha256").digest()
+
+
+def _verified_payload(path: str, data: bytes, key: bytes) -> bytes | None:
+    """The pickled payload of a signed entry; None (and a warning once) when it is not."""
+    if data.startswith(_MAGIC):
+        mac = data[len(_MAGIC) : len(_MAGIC) + 32]
+        payload = data[len(_MAGIC) + 32 :]
+        if hmac.compare_digest(mac, _signature(key, path, payload)):
+            return payload
+    _warn_once(
+        "entry",
+        "Compiled program %s was not loaded: it is not signed with this user's key (%s), so "
+        "it may not be this user's (or was written by an older version); it is removed and "
+        "the program compiled again",
+        path,
+        key_path(os.path.dirname(path)),
+    )
+    return None
+
+
 def _load(path: str) -> Any:
+    key = _signing_key(os.path.dirname(path))
+    if key is None:
+        return None
     try:
         with open(path, "rb") as f:
-            device_ids, payload = pickle.load(f)
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        log.debug("Compiled program %s not read (%s): compiling it again", path, e)
+        return None
+    payload = _verified_payload(path, data, key)
+    if payload is None:  # never unpickled: unpickling runs code
+        _remove(path)
+        return None
+    try:
+        device_ids, payload = pickle.loads(payload)
         by_id = {d.id: d for d in jax.devices()}
         devices = [by_id[i] for i in device_ids]  # the program's own device assignment
         return serialize_executable.deserialize_and_load(*payload, execution_devices=devices)
-    except FileNotFoundError:
-        return None
     except Exception as e:  # noqa: BLE001 (a damaged or stale entry: compile again)
         log.debug("Compiled program %s not loaded (%s): compiling it again", path, e)
         _remove(path)
@@ -213,13 +336,16 @@ def _load(path: str) -> Any:
 
 
 def _store(where: str, path: str, compiled: Any) -> None:
+    key = _signing_key(where)
+    if key is None:
+        return
     try:
         device_ids = [d.id for d in compiled._executable._unloaded_executable.device_list]
         payload = pickle.dumps((device_ids, serialize_executable.serialize(compiled)))
-        os.makedirs(where, exist_ok=True)
+        os.makedirs(where, mode=0o700, exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "wb") as f:
-            f.write(payload)
+            f.write(_MAGIC + _signature(key, path, payload) + payload)
         os.replace(tmp, path)  # readers see a whole entry or none
         _bound(where)
     except Exception as e:  # noqa: BLE001 (not storable here: it still runs)

@@ -51,13 +51,37 @@ def _tuple_hint(features: Any) -> str:
     )
 
 
+def _labels_note(labels: Any) -> str | None:
+    """A note naming the shape model_fn got its labels in (``(B, 1)``: B rows of one id),
+    for a failure while tracing it; None when labels are not one array of rank 2 or more."""
+    shape = getattr(labels, "shape", None)
+    if shape is None or len(shape) < 3:  # (B,) labels: nothing worth a note
+        return None
+    per_row = tuple(shape[2:])  # the example is stacked [steps, rows, ...]
+    text = ", ".join(["B", *map(str, per_row)])
+    note = f"model_fn was traced with labels of shape ({text}) (B = its batch rows)"
+    if per_row == (1,):
+        note += (
+            ": a model that expects class ids of shape (B,) (e.g. "
+            "softmax_cross_entropy_with_integer_labels) fails on (B, 1) labels; yield labels "
+            "of shape (B,) from input_fn (labels.reshape(-1)), or reshape them in model_fn"
+        )
+    return note
+
+
 def _trace(programs: Programs, mode: str, example: Example, fn, *args):
     """Calls ``fn`` (which traces model_fn); a failure with ``labels=None`` in TRAIN/EVAL is
-    re-raised naming the likely culprit: an input_fn that returned no labels."""
+    re-raised naming the likely culprit: an input_fn that returned no labels. A failure with
+    labels gets a note naming their shape (raw shape errors from inside a loss do not)."""
     try:
         return fn(*args)
     except Exception as e:
-        if example[1] is not None or mode == ModeKeys.PREDICT:
+        if example[1] is not None:
+            note = _labels_note(example[1])
+            if note is not None and note not in getattr(e, "__notes__", ()):
+                e.add_note(note)
+            raise
+        if mode == ModeKeys.PREDICT:
             raise
         if "labels" not in programs.model.arg_names:
             raise

@@ -55,6 +55,18 @@ def disk_full_error(path: str, *, intact_step: int | None) -> OSError:
     )
 
 
+def model_dir_full_error(model_dir: str, what: str) -> OSError:
+    """The error for a disk found full before training started: ENOSPC naming the
+    model_dir and what could not be written there (``what``: "its lock file")."""
+    return OSError(
+        errno.ENOSPC,
+        f"No space left on device: cannot write {what} in model_dir {model_dir}; nothing "
+        "was trained or changed. Free space on that disk (or use a model_dir on another one) "
+        "and run the same command again",
+        model_dir,
+    )
+
+
 def _keep(record: logging.LogRecord) -> bool:
     exc = record.exc_info[1] if record.exc_info else None
     return not (record.levelno >= logging.ERROR and is_disk_full(exc))

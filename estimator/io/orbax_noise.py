@@ -1,4 +1,5 @@
-"""Silences the two kinds of noise Orbax leaves behind a failed read.
+"""Silences the two kinds of noise Orbax leaves behind a failed read, and one warning of its
+checkpoint manager.
 
 Orbax reads a checkpoint's arrays and metadata with ``asyncio.run`` over many TensorStore
 futures. When one fails (a damaged step, which the estimator then skips for an older one),
@@ -12,6 +13,12 @@ damaged step is unreadable), nobody awaits them any more, and when their tasks a
 asyncio logs ``ERROR:asyncio:Task exception was never retrieved`` with a seven-line traceback
 per array. The first failure already reached the estimator, which named the step in its
 warning; these are the same damage told again, at random (a race, about one run in eight).
+
+Orbax's checkpoint manager also warns, through absl, whenever a save waited more than a
+second for the previous one (``WARNING:absl:Waiting for previous save to complete took 1.01
+seconds. If this number is high, consider checkpointing less frequently.``): the estimator
+saves asynchronously and waits for a write to commit at its own points (the CLI printed it
+on a first run); that record goes to DEBUG on the ``estimator`` logger instead.
 
 ``install()`` acts once per process. It wraps ``sys.unraisablehook`` to drop exactly the first
 kind: a ``RuntimeError`` whose message is ``Event loop is closed`` raised in asyncio's
@@ -80,8 +87,23 @@ class _UnretrievedReadFilter(logging.Filter):
         return True
 
 
+def is_save_wait_warning(record: logging.LogRecord) -> bool:
+    """Whether an ``absl`` record is the checkpoint manager's wait-for-previous-save warning."""
+    return isinstance(record.msg, str) and record.msg.startswith(
+        "Waiting for previous save to complete took"
+    )
+
+
+class _SaveWaitFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if is_save_wait_warning(record):
+            log.debug("Orbax: %s", record.getMessage())
+            return False
+        return True
+
+
 def install() -> None:
-    """Installs both filters (once per process; later calls do nothing)."""
+    """Installs the three filters (once per process; later calls do nothing)."""
     global _installed
     with _lock:
         if _installed:
@@ -97,3 +119,4 @@ def install() -> None:
 
         sys.unraisablehook = hook
         logging.getLogger("asyncio").addFilter(_UnretrievedReadFilter())
+        logging.getLogger("absl").addFilter(_SaveWaitFilter())

@@ -161,6 +161,9 @@ CONFIG_ERRORS = [
     ),
     (lambda: estimator.RunConfig(keep_checkpoint_max=0), ValueError, "keep_checkpoint_max"),
     (lambda: estimator.RunConfig(tf_random_seed=1.5), TypeError, "tf_random_seed"),
+    # issue 42: an OverflowError deep in JAX at the first step, naming no field
+    (lambda: estimator.RunConfig(tf_random_seed=2**70), ValueError, "tf_random_seed must fit"),
+    (lambda: estimator.RunConfig(tf_random_seed=2**63), ValueError, "tf_random_seed must fit"),
     (lambda: estimator.RunConfig(tpu_config={"iterations_per_loop": 2}), TypeError, "tpu_config"),
     (lambda: estimator.RunConfig(model_dir=""), ValueError, "model_dir"),
 ]

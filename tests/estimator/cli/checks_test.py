@@ -62,6 +62,18 @@ CASES = [
     (["export", "--model_dir", "EMPTY", "--export_dir", "A_FILE"], "is a file"),
     (["train", "--config.compute_dtype=bf16"], "compute_dtype must be None, 'bfloat16'"),
     (["train", "--config.num_microbatches=0"], "num_microbatches must be positive"),
+    # issue 42: each used to fail after JAX started, or with a raw error and status 1
+    (["train", "--config.num_microbatches=3"], "num_microbatches=3 must divide the train batch"),
+    (["train", "--config", "/etc/passwd"], "--config /etc/passwd: not a Python config file"),
+    (["train", "--model_dir", "/proc/self/x"], "--model_dir /proc/self/x: cannot be made a"),
+    (
+        ["predict", "--model_dir", "EMPTY", "--output", "/proc/1/mem"],
+        "--output /proc/1/mem: cannot be written (Permission denied)",
+    ),
+    (
+        ["train", f"--config.seed={2**70}"],
+        f"--config.seed={2**70}: tf_random_seed must fit in 64 bits",
+    ),
 ]
 
 
@@ -105,3 +117,37 @@ def test_checkpoint_layouts_agree_with_the_store(tmp_path):
             str(tmp_path)
         ), name
         d.rmdir()
+
+
+def test_compute_dtype_can_be_set_back_to_float32(tmp_path):
+    """Issue 42: ``--config.compute_dtype`` took no value meaning "none" (float32)."""
+    from estimator.cli import checks, configs
+
+    for value in ("none", "None", "float32", ""):
+        config = configs.load_config("digits_mlp")
+        configs.apply_overrides(config, {"compute_dtype": "bfloat16"})
+        configs.apply_overrides(config, {"compute_dtype": value})
+        assert "compute_dtype" not in checks.given_fields(config, checks.TPU_CONFIG_FIELDS)
+        checks.check_job("train", config, model_dir=str(tmp_path / "run"))
+
+
+def test_a_config_mistake_leaves_no_model_dir_made(tmp_path):
+    from estimator.cli.app import main
+
+    status = main(["train", "--model_dir", str(tmp_path / "run"), "--config.num_microbatches=3"])
+    assert status == 2
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_output_check_changes_nothing(tmp_path):
+    from estimator.cli import checks
+    from estimator.cli.usage import UsageError
+
+    existing = tmp_path / "p.jsonl"
+    existing.write_text("kept\n")
+    checks.check_output(str(existing))
+    assert existing.read_text() == "kept\n"  # opened without truncating
+    checks.check_output(str(tmp_path / "new.jsonl"))
+    assert not (tmp_path / "new.jsonl").exists()  # created and removed again
+    with pytest.raises(UsageError, match="is a directory"):
+        checks.check_output(str(tmp_path))

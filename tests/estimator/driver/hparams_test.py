@@ -4,6 +4,7 @@ hparams plugin's own handlers (as the TensorBoard UI reads them)."""
 from __future__ import annotations
 
 import numpy as np
+import optax
 
 from estimator.driver import hparams
 from tests import helpers as h
@@ -47,17 +48,56 @@ def test_a_sweep_compares_in_the_hparams_tab(tmp_path):
         "hidden": "DATA_TYPE_FLOAT64",
         "optimizer": "DATA_TYPE_STRING",
         "batch_norm": "DATA_TYPE_BOOL",
+        **{name: "DATA_TYPE_FLOAT64" for name in _TRAINER_NUMBERS},
+        "compute_dtype": "DATA_TYPE_STRING",
     }
     assert sorted(sessions) == ["lr0.05", "lr0.5"]
     for run, (values, metrics) in sessions.items():
         expected = {"lr": float(run[2:]), "hidden": 8.0, "optimizer": "sgd", "batch_norm": False}
-        assert values == expected
+        trainer = {"train_batch_size": 16.0, "compute_dtype": "float32", "num_microbatches": 1.0}
+        trainer.update(iterations_per_loop=2.0, max_steps=2.0)  # the first call's
+        assert values == {**expected, **trainer}
         for name in ("accuracy", "loss"):  # the final evaluation, as evaluate returned it
             assert metrics[("eval", name)] == np.float32(results[run][name])
     mux = tb_reader.multiplexer(tmp_path)
     starts = mux.PluginRunToTagToContent("hparams")
     assert sorted(starts) == ["lr0.05", "lr0.5"]  # model_dir only, never eval/
     assert len(mux.Tensors("lr0.5", hparams.SESSION_START_TAG)) == 1
+
+
+_TRAINER_NUMBERS = ("train_batch_size", "num_microbatches", "iterations_per_loop", "max_steps")
+
+
+def _adam_model_fn(features, labels, mode, params):
+    spec = h.model_fn(features, labels, mode, params)
+    if mode == "train":
+        spec.train_op = optax.adamw(optax.cosine_decay_schedule(0.01, 100))
+    return spec
+
+
+def test_the_trainers_settings_are_in_the_hparams_tab(tmp_path):
+    """Issue 42: HPARAMS held only the model's params, not how it was trained."""
+    x, y = h.make_data(n=32)
+    est = h.make_estimator(
+        tmp_path / "run",
+        _adam_model_fn,
+        params={"hidden": 8},
+        ipl=2,
+        save_summary_steps=100,
+        tpu={"compute_dtype": "bfloat16", "num_microbatches": 2},
+    )
+    est.train(h.train_input_fn(x, y), max_steps=4)
+    _, sessions = tb_reader.hparams_tab(tmp_path)
+    values, _ = sessions["run"]
+    assert values == {
+        "hidden": 8.0,
+        "train_batch_size": 16.0,
+        "compute_dtype": "bfloat16",
+        "num_microbatches": 2.0,
+        "iterations_per_loop": 2.0,
+        "max_steps": 4.0,
+        "optimizer": "adam+add_decayed_weights",
+    }
 
 
 def test_no_session_when_summaries_are_off(tmp_path):

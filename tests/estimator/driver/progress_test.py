@@ -1,8 +1,10 @@
-"""The start-up parameter table (each variable's name, shape, dtype, count and the totals)."""
+"""The start-up parameter table (each variable's name, shape, dtype, count and the totals), and
+when the progress bar is shown."""
 
 from __future__ import annotations
 
 import logging
+import sys
 
 import numpy as np
 
@@ -47,3 +49,33 @@ def test_training_logs_the_table_at_info(tmp_path, caplog):
     rows = {line.split()[0]: line.split() for line in table.splitlines()[2:]}
     assert rows["hidden/kernel"] == ["hidden/kernel", "(6,", "8)", "float32", "48"]
     assert rows["total"] == ["total", str(6 * 8 + 8 + 8 * 3 + 3)]
+
+
+class _Kernel:
+    """What ``IPython.get_ipython()`` returns in a Jupyter kernel (its config names the app)."""
+
+    config = {"IPKernelApp": {"connection_file": "kernel-1.json"}}
+
+
+class _Terminal:
+    config = {"TerminalInteractiveShell": {}}
+
+
+def _ipython(shell):
+    return type("IPython", (), {"get_ipython": staticmethod(lambda: shell)})
+
+
+def test_the_bar_is_on_by_default_in_a_notebook_kernel(monkeypatch):
+    """Issue 42: stderr is not a terminal in Jupyter, so the bar used to be off there."""
+    monkeypatch.delenv("TPU_ESTIMATOR_NO_PROGRESS_BAR", raising=False)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    monkeypatch.setitem(sys.modules, "IPython", _ipython(_Kernel()))
+    assert progress.progress_enabled(None)
+    assert not progress.progress_enabled(False)
+    monkeypatch.setenv("TPU_ESTIMATOR_NO_PROGRESS_BAR", "1")
+    assert not progress.progress_enabled(None)  # the switch still turns it off
+    monkeypatch.delenv("TPU_ESTIMATOR_NO_PROGRESS_BAR")
+    monkeypatch.setitem(sys.modules, "IPython", _ipython(_Terminal()))  # IPython in a terminal
+    assert not progress.progress_enabled(None)
+    monkeypatch.setitem(sys.modules, "IPython", _ipython(None))  # imported, not running
+    assert not progress.progress_enabled(None)

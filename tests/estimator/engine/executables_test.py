@@ -164,3 +164,114 @@ def test_without_a_cache_nothing_is_stored(tmp_path):
         np.testing.assert_array_equal(np.asarray(out), np.asarray(_program()(x)))
     finally:
         compilation.configure_cache(before or False)
+
+
+# ---------------------------------------------------------------- trust (issue 42, item 6)
+_MARKER_PICKLE = """
+import os, pickle
+class Payload:
+    def __reduce__(self):
+        return (os.mkdir, ({marker!r},))
+with open({path!r}, "wb") as f:
+    f.write({prefix!r} + pickle.dumps(Payload()))
+"""
+
+
+def _plant(path: str, marker: str, prefix: bytes = b"") -> None:
+    """Writes, in another interpreter, an entry whose unpickling would make ``marker``."""
+    code = _MARKER_PICKLE.format(marker=marker, path=path, prefix=prefix)
+    exec(compile(code, "<planted entry>", "exec"), {})  # noqa: S102 - builds the bad pickle
+
+
+@pytest.mark.parametrize(
+    "prefix",
+    [
+        pytest.param(b"", id="an unsigned pickle"),
+        pytest.param(executables._MAGIC + b"\0" * 32, id="a wrong signature"),
+    ],
+)
+def test_an_entry_not_signed_with_this_users_key_is_never_unpickled(
+    cache, tmp_path, caplog, prefix
+):
+    x = jnp.arange(3.0)
+    program = _program(scale=7.0)
+    executables.load_or_compile(program, (x,))
+    (name,) = os.listdir(executables.cache_dir())
+    entry = os.path.join(executables.cache_dir(), name)
+    marker = str(tmp_path / "ran")
+    _plant(entry, marker, prefix)
+    executables._WARNED.discard("entry")
+    with caplog.at_level("WARNING", logger="estimator"):
+        out = executables.load_or_compile(_program(scale=7.0), (x,))(x)
+    assert not os.path.exists(marker)  # the planted code never ran
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(_program(scale=7.0)(x)))
+    assert not os.path.exists(entry)  # removed (JAX's own cache served the compile again)
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning.startswith(f"Compiled program {entry} was not loaded: it is not signed")
+
+
+def test_the_signing_key_is_made_once_readable_by_this_user_only(cache):
+    x = jnp.arange(3.0)
+    executables.load_or_compile(_program(scale=9.0), (x,))
+    key = executables.key_path(executables.cache_dir())
+    assert os.path.dirname(key) == cache
+    assert os.stat(key).st_mode & 0o777 == 0o600
+    with open(key, "rb") as f:
+        assert len(f.read()) == 32
+    (name,) = os.listdir(executables.cache_dir())
+    with open(os.path.join(executables.cache_dir(), name), "rb") as f:
+        assert f.read().startswith(executables._MAGIC)  # signed
+
+
+def test_a_key_others_can_read_is_not_used(cache, caplog):
+    key = executables.key_path(os.path.join(cache, executables.SUBDIR))
+    with open(key, "wb") as f:
+        f.write(b"k" * 32)
+    os.chmod(key, 0o644)
+    executables._KEYS.pop(key, None)
+    x = jnp.arange(3.0)
+    with caplog.at_level("WARNING", logger="estimator"):
+        out = executables.load_or_compile(_program(scale=11.0), (x,))(x)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(_program(scale=11.0)(x)))
+    assert not os.path.exists(executables.cache_dir())  # nothing stored under that key
+    assert any("signing key" in r.getMessage() for r in caplog.records)
+    executables._KEYS.pop(key, None)
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        pytest.param("world-writable", id="writable by every user"),
+        pytest.param("group-writable", id="writable by the group"),
+        pytest.param("another owner", id="owned by another user"),
+    ],
+)
+def test_a_cache_directory_another_user_can_write_is_refused(tmp_path, caplog, how):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    if how == "another owner":
+        if os.geteuid() != 0:
+            pytest.skip("changing a directory's owner needs root")
+        os.chown(shared, 65534, 65534)
+    else:
+        os.chmod(shared, 0o777 if how == "world-writable" else 0o770)
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        with caplog.at_level("WARNING", logger="estimator"):
+            assert compilation.configure_cache(str(shared)) is None
+            assert compilation.configure_cache(str(shared)) is None  # warned once
+        assert jax.config.jax_compilation_cache_dir is None
+        # Set through JAX directly: the store refuses it all the same.
+        jax.config.update("jax_compilation_cache_dir", str(shared))
+        assert executables.cache_dir() is None
+        x = jnp.arange(3.0)
+        out = executables.call(_program(scale=13.0), x)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(_program(scale=13.0)(x)))
+        assert not (shared / executables.SUBDIR).exists()
+    finally:
+        jax.config.update("jax_compilation_cache_dir", None)
+        compilation.configure_cache(before or False)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"Compilation cache off: {shared} is ")
+    assert "another user could place programs there" in warnings[0]

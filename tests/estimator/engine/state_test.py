@@ -1,6 +1,8 @@
-"""Placing variables for evaluation: one shared host copy on CPU devices, values unchanged."""
+"""Placing variables for evaluation: one shared host copy on CPU devices, values unchanged; a
+note naming the labels' shape when model_fn fails to trace with them."""
 
 import gc
+import traceback
 
 import jax
 import numpy as np
@@ -71,3 +73,17 @@ def test_the_cheap_init_program_gives_the_same_initial_variables(tmp_path, monke
     assert default.keys() == cheap.keys()
     for name, value in default.items():
         np.testing.assert_array_equal(cheap[name], value, err_msg=name)
+
+
+def test_a_shape_error_from_labels_of_shape_b_1_gets_a_note_naming_their_shape(tmp_path):
+    """Issue 42: ``indices and arr must have the same number of dimensions; 3 vs. 2`` from
+    inside the loss, with nothing naming the labels."""
+    x, y = h.make_data(n=32)
+    est = h.make_estimator(tmp_path, ipl=2)
+    with pytest.raises(ValueError) as raised:
+        est.train(h.train_input_fn(x, y[:, None]), max_steps=2)
+    notes = getattr(raised.value, "__notes__", [])
+    (note,) = [n for n in notes if n.startswith("model_fn was traced with labels")]
+    assert note.startswith("model_fn was traced with labels of shape (B, 1) (B = its batch rows)")
+    assert "labels.reshape(-1)" in note
+    assert note in "".join(traceback.format_exception(raised.value))  # shown with the error

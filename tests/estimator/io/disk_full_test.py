@@ -81,3 +81,56 @@ def test_disk_full_is_recognised_through_orbax_and_tensorstore_errors():
     assert not disk_full.is_disk_full(OSError(errno.EACCES, "Permission denied"))
     error = disk_full.disk_full_error("/runs/a/model.ckpt-12", intact_step=10)
     assert error.errno == errno.ENOSPC and error.filename == "/runs/a/model.ckpt-12"
+
+
+def _fill(disk: Path) -> None:
+    """Writes one file until the disk has no block left."""
+    fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as e:
+        assert e.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+
+
+def test_a_disk_full_at_start_names_the_model_dir(small_disk):
+    """Issue 42: the trainer's first write into model_dir (its lock file) used to raise a
+    bare ``OSError: [Errno 28] No space left on device`` without a path."""
+    from tests import helpers as h
+
+    _fill(small_disk)
+    model_dir = small_disk / "run"
+    x, y = h.make_data(n=32)
+    est = h.make_estimator(str(model_dir), ipl=2)
+    with pytest.raises(OSError) as raised:
+        est.train(h.train_input_fn(x, y), max_steps=2)
+    assert raised.value.errno == errno.ENOSPC
+    message = str(raised.value)
+    assert f"cannot write its lock file in model_dir {model_dir}" in message, message
+    assert "Free space on that disk" in message
+
+
+def test_the_cli_finds_a_full_disk_before_jax(small_disk):
+    _fill(small_disk)
+    model_dir = small_disk / "cli" / "run"
+    probe = (
+        "import io, sys; from estimator.cli import main; "
+        "status = main(sys.argv[1:], out=io.StringIO()); "
+        "print('JAX' if 'jax' in sys.modules else 'no JAX', status)"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", probe, "train", "--model_dir", str(model_dir)],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.stdout.split() == ["no", "JAX", "2"], run.stdout + run.stderr
+    assert run.stderr.strip() == (
+        f"tpu-estimator: error: --model_dir {model_dir}: cannot write there (No space left on "
+        "device); free space on its disk"
+    )
+    assert not (small_disk / "cli").exists()  # the directories it made are removed again
