@@ -137,3 +137,23 @@ def pytest_collection_modifyitems(config, items):
             called = tuple(f"{n}(" for n in helpers.get(module, {}).get(mark, ()))
             if any(sign in src for src in sources for sign in signs + called):
                 item.add_marker(getattr(pytest.mark, mark))
+
+
+# ---------------------------------------------------------------- a GCS emulator
+@pytest.fixture(scope="session")
+def gcs_emulator():
+    """fake-gcs-server from its PyPI wheel on 127.0.0.1, once per test process; gcsfs,
+    TensorStore and etils.epath (and processes the tests start) talk to it."""
+    from tests import gcs_emulator as emulator
+
+    server = emulator.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def gcs_url(gcs_emulator):
+    """A fresh, empty ``gs://<bucket>/run`` URL on the emulator (a new bucket each test)."""
+    from tests import gcs_emulator as emulator
+
+    return emulator.new_bucket(gcs_emulator) + "/run"

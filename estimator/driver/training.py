@@ -31,7 +31,7 @@ from ..engine import precision
 from ..engine.loops import TrainState
 from ..engine.state import fresh_train_state
 from ..errors import EstimatorTypeError, EstimatorValueError
-from ..io import disk_full
+from ..io import disk_full, lease
 from ..io.input_position import resume_pulls
 from ..io.lock import TrainerLock
 from ..io.restore import restore_train_state
@@ -109,7 +109,7 @@ class TrainRun:
     # ------------------------------------------------------------------ the call
     def run(self) -> TrainOutcome:
         called = time.monotonic()
-        lock = TrainerLock(self.job.model_dir)  # one trainer per model_dir; process 0 holds it
+        lock = lease.for_model_dir(self.job.model_dir)  # one trainer; process 0 holds it
         multihost.run_on_process_0(
             lambda: _acquire(lock, self.job.model_dir), f"locking model_dir {self.job.model_dir}"
         )

@@ -76,6 +76,7 @@ def check_model_dir(model_dir: str) -> None:
     Raises:
       ValueError: the absolute path holds one of ``*?[]\\``.
     """
+    storage.check_backend(model_dir)
     path = storage.absolute(str(model_dir))
     found = sorted({c for c in path if c in _GLOB_CHARACTERS})
     if found:

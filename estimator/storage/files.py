@@ -85,6 +85,28 @@ def basename(path: str) -> str:
     return posixpath.basename(path.rstrip("/")) if is_url(path) else os.path.basename(path)
 
 
+_BACKENDS = {"gs": ("gcsfs", "tpu-estimator-jax[gcs]"), "s3": ("s3fs", "s3fs")}
+
+
+def check_backend(path: str | os.PathLike) -> None:
+    """Raises a clear error when ``path``'s store needs a package that is not installed.
+
+    Raises:
+      ImportError: naming the package and the ``pip install`` that brings it.
+    """
+    found = scheme(path)
+    if found not in _BACKENDS:
+        return
+    module, package = _BACKENDS[found]
+    try:
+        __import__(module)
+    except ImportError:
+        raise ImportError(
+            f"{os.fspath(path)!r} is on {found}://, which needs the {module} package: "
+            f"pip install '{package}'"
+        ) from None
+
+
 def epath_of(path: str | os.PathLike) -> epath.Path:
     """``path`` as an ``epath.Path`` (what Orbax takes)."""
     return epath.Path(path if is_url(path) else _local(path))
@@ -248,12 +270,11 @@ def local_copy(path: str) -> Iterator[str]:
 
 def download_tree(remote: str, local: str) -> None:
     """Copies every object under ``remote`` into the local directory ``local``."""
-    root = epath.Path(remote)
-    for child in root.rglob("*"):
+    os.makedirs(local, exist_ok=True)
+    for child in epath.Path(remote).iterdir():  # one listing per directory, no '**' glob
+        target = os.path.join(local, child.name)
         if child.is_dir():
-            continue
-        rel = str(child)[len(str(root)) :].lstrip("/")
-        target = os.path.join(local, *rel.split("/"))
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        with open(target, "wb") as f:
-            f.write(child.read_bytes())
+            download_tree(str(child), target)
+        else:
+            with open(target, "wb") as f:
+                f.write(child.read_bytes())

@@ -101,3 +101,16 @@ def test_a_step_without_its_commit_marker_is_not_finished_on_a_bucket(gcs_url):
     assert storage.isdir(step) and not storage.finished_step(step)
     storage.write_bytes(storage.join(step, storage.COMMIT_FILE), b"")
     assert storage.finished_step(step)
+
+
+def test_a_store_without_its_package_is_named_with_the_install_line():
+    pytest.importorskip("gcsfs")
+    storage.check_backend("gs://bucket/run")  # installed: nothing to say
+    try:
+        import s3fs  # noqa: F401
+
+        pytest.skip("s3fs is installed here")
+    except ImportError:
+        pass
+    with pytest.raises(ImportError, match=r"s3fs package: pip install 's3fs'"):
+        storage.check_backend("s3://bucket/run")
