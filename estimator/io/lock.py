@@ -42,6 +42,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 import weakref
@@ -118,6 +119,40 @@ def _orphaned(holder: dict[str, Any]) -> bool:
     )
 
 
+def _open_regular(path: str) -> int:
+    """Opens (or creates) the lock file, refusing anything but a regular file: a symlink is
+    never followed (a link planted in a shared model_dir would make the trainer truncate its
+    target), a FIFO never blocks the open.
+
+    Raises:
+      ModelDirInUseError: ``path`` is a symlink, a directory, a FIFO or another special file.
+    """
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags, 0o644)
+    except IsADirectoryError:
+        raise _not_a_file(path, "a directory") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # O_NOFOLLOW met a symbolic link
+            raise _not_a_file(path, "a symbolic link") from None
+        if e.errno == errno.ENXIO:  # a FIFO with no reader
+            raise _not_a_file(path, "a FIFO") from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise _not_a_file(path, "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file")
+    return fd
+
+
+def _not_a_file(path: str, what: str) -> ModelDirInUseError:
+    return ModelDirInUseError(
+        f"{path} is {what}, where the trainer's lock file goes: remove it (the trainer opens "
+        "only a regular file there, and never follows a link or writes through it; no "
+        "trainer can start while it is there)."
+    )
+
+
 class TrainerLock:
     """The lock file of one model_dir (see the module docstring).
 
@@ -159,14 +194,7 @@ class TrainerLock:
         if os.path.exists(self.model_dir) and not os.path.isdir(self.model_dir):
             raise NotADirectoryError(errno.ENOTDIR, "model_dir is not a directory", self.model_dir)
         os.makedirs(self.model_dir, exist_ok=True)
-        try:
-            return os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except IsADirectoryError:
-            raise ModelDirInUseError(
-                f"{self.path} is a directory, where the trainer's lock file goes: remove or "
-                "rename it (the lock file is created there; no trainer can start while it is "
-                "a directory)."
-            ) from None
+        return _open_regular(self.path)
 
     def _flock(self, fd: int) -> bool | None:
         """Tries the flock: True if taken, False if held, None if the file system has none."""
@@ -268,7 +296,7 @@ class TrainerLock:
         try:
             with contextlib.suppress(OSError):  # a file system without flock: no guard
                 fcntl.flock(guard, fcntl.LOCK_EX)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = _open_regular(self.path)
             try:
                 got = self._flock(fd)
                 now = self._read(fd) if got is False else {}
@@ -277,7 +305,9 @@ class TrainerLock:
             finally:
                 os.close(fd)
             tmp = f"{self.path}.{os.getpid()}.tmp"
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)  # a link planted there is removed, never followed
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 os.pwrite(fd, self._mine(), 0)

@@ -201,3 +201,41 @@ def test_a_holder_that_never_writes_its_name_is_described_not_question_marks(tmp
         assert "host ?" not in message and "names no holder" in message
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("target_exists", [True, False])
+def test_a_planted_symlink_is_never_followed(tmp_path, target_exists):
+    """Issue: ``ln -s ~/precious <model_dir>/trainer.lock`` made the next trainer empty it."""
+    model_dir, precious = tmp_path / "run", tmp_path / "precious"
+    model_dir.mkdir()
+    if target_exists:
+        precious.write_bytes(b"years of work")
+    (model_dir / lock_lib.LOCK_NAME).symlink_to(precious)
+    with pytest.raises(lock_lib.ModelDirInUseError, match="a symbolic link.*remove it"):
+        lock_lib.TrainerLock(str(model_dir)).acquire()
+    if target_exists:
+        assert precious.read_bytes() == b"years of work"
+    else:
+        assert not precious.exists()  # not created through the link either
+    assert (model_dir / lock_lib.LOCK_NAME).is_symlink()
+
+
+def test_a_symlinked_lock_stops_train_before_anything_is_written(tmp_path):
+    from tests import helpers
+
+    model_dir, precious = tmp_path / "run", tmp_path / "precious"
+    model_dir.mkdir()
+    precious.write_bytes(b"keep")
+    (model_dir / lock_lib.LOCK_NAME).symlink_to(precious)
+    est = helpers.make_estimator(model_dir)
+    x, y = helpers.make_data()
+    with pytest.raises(lock_lib.ModelDirInUseError, match="symbolic link"):
+        est.train(helpers.train_input_fn(x, y), max_steps=4)
+    assert precious.read_bytes() == b"keep"
+    assert sorted(p.name for p in model_dir.iterdir()) == [lock_lib.LOCK_NAME]
+
+
+def test_a_fifo_in_the_locks_place_is_refused_without_blocking(tmp_path):
+    os.mkfifo(tmp_path / lock_lib.LOCK_NAME)
+    with pytest.raises(lock_lib.ModelDirInUseError, match="FIFO"):
+        lock_lib.TrainerLock(str(tmp_path)).acquire()
