@@ -120,29 +120,48 @@ def _orphaned(holder: dict[str, Any]) -> bool:
 
 
 def _open_regular(path: str) -> int:
-    """Opens (or creates) the lock file, refusing anything but a regular file: a symlink is
-    never followed (a link planted in a shared model_dir would make the trainer truncate its
-    target), a FIFO never blocks the open.
+    """Opens (or creates) the lock file, refusing anything but a regular file of one name: a
+    symlink is never followed (a link planted in a shared model_dir would make the trainer
+    truncate its target), a FIFO never blocks the open, and a hard link is never written
+    through (the same harm by another route where ``fs.protected_hardlinks`` is off).
 
     Raises:
-      ModelDirInUseError: ``path`` is a symlink, a directory, a FIFO or another special file.
+      ModelDirInUseError: ``path`` is a symlink, a directory, a FIFO or another special file,
+        or a hard link.
     """
+    with contextlib.suppress(FileNotFoundError):
+        # Special files are refused before any open: opening a device can act on it.
+        found = os.lstat(path).st_mode
+        if not stat.S_ISREG(found):
+            raise _not_a_file(path, _kind(found))
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
     try:
         fd = os.open(path, flags, 0o644)
     except IsADirectoryError:
         raise _not_a_file(path, "a directory") from None
     except OSError as e:
-        if e.errno == errno.ELOOP:  # O_NOFOLLOW met a symbolic link
+        if e.errno == errno.ELOOP:  # O_NOFOLLOW met a symbolic link (planted since lstat)
             raise _not_a_file(path, "a symbolic link") from None
         if e.errno == errno.ENXIO:  # a FIFO with no reader
             raise _not_a_file(path, "a FIFO") from None
         raise
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
+    st = os.fstat(fd)  # what was opened, whatever lstat saw
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
         os.close(fd)
-        raise _not_a_file(path, "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file")
+        if stat.S_ISREG(st.st_mode):
+            raise _not_a_file(path, f"a hard link (a file with {st.st_nlink} names)")
+        raise _not_a_file(path, _kind(st.st_mode))
     return fd
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    return "not a regular file"
 
 
 def _not_a_file(path: str, what: str) -> ModelDirInUseError:

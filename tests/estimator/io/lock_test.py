@@ -239,3 +239,36 @@ def test_a_fifo_in_the_locks_place_is_refused_without_blocking(tmp_path):
     os.mkfifo(tmp_path / lock_lib.LOCK_NAME)
     with pytest.raises(lock_lib.ModelDirInUseError, match="FIFO"):
         lock_lib.TrainerLock(str(tmp_path)).acquire()
+
+
+def test_a_planted_hard_link_is_never_written_through(tmp_path):
+    """The symlink's harm by another route (where ``fs.protected_hardlinks`` is off, or the
+    link is to one's own file): a regular file with a second name elsewhere."""
+    model_dir, precious = tmp_path / "run", tmp_path / "precious"
+    model_dir.mkdir()
+    precious.write_bytes(b"years of work")
+    os.link(precious, model_dir / lock_lib.LOCK_NAME)
+    with pytest.raises(lock_lib.ModelDirInUseError, match="a hard link.*2 names.*remove it"):
+        lock_lib.TrainerLock(str(model_dir)).acquire()
+    assert precious.read_bytes() == b"years of work"
+    assert (model_dir / lock_lib.LOCK_NAME).stat().st_nlink == 2
+
+
+def test_a_symlink_planted_after_the_check_is_still_not_followed(tmp_path, monkeypatch):
+    """``lstat`` then ``open`` leaves an instant between them: ``O_NOFOLLOW`` covers it."""
+    precious = tmp_path / "precious"
+    precious.write_bytes(b"keep")
+    lock = lock_lib.TrainerLock(str(tmp_path / "run"))
+    (tmp_path / "run").mkdir()
+    real_lstat = os.lstat
+
+    def lstat_then_plant(path, *args, **kwargs):
+        if os.fspath(path) == lock.path:
+            os.symlink(precious, lock.path)
+            raise FileNotFoundError(path)  # what lstat saw an instant before the link
+        return real_lstat(path, *args, **kwargs)
+
+    monkeypatch.setattr(lock_lib.os, "lstat", lstat_then_plant)
+    with pytest.raises(lock_lib.ModelDirInUseError, match="a symbolic link"):
+        lock.acquire()
+    assert precious.read_bytes() == b"keep"
