@@ -24,6 +24,7 @@ _EXPORTS = {
     ".config": ("InputPipelineConfig", "RunConfig", "TPUConfig"),
     ".context": ("get_global_step", "get_or_create_global_step", "padding_mask"),
     ".cross_shard_optimizer": ("CrossShardOptimizer",),
+    ".engine.multi_loss": ("group", "minimize"),
     ".engine.scopes": ("AUTO_REUSE", "get_variable", "variable_scope"),
     ".engine.traced": ("TracedValueError",),
     ".driver.preemption": ("Preempted",),
@@ -121,6 +122,8 @@ if TYPE_CHECKING:  # _EXPORTS spelled out for type checkers (``X as X``: re-expo
     from .context import padding_mask as padding_mask
     from .cross_shard_optimizer import CrossShardOptimizer as CrossShardOptimizer
     from .driver.preemption import Preempted as Preempted
+    from .engine.multi_loss import group as group
+    from .engine.multi_loss import minimize as minimize
     from .engine.scopes import AUTO_REUSE as AUTO_REUSE
     from .engine.scopes import get_variable as get_variable
     from .engine.scopes import variable_scope as variable_scope

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import math
 import os
 import threading
 from typing import Any
@@ -61,7 +62,11 @@ class TPUConfig:
 
     Args:
       iterations_per_loop: steps per device loop: hooks, host_call delivery, logging and
-        checkpoints happen once per loop.
+        checkpoints happen once per loop. ``"auto"``: the first ``train`` call measures
+        the host's work per loop and the step time on its first loops and picks the
+        shortest loop whose overhead is at most 2% (``driver/auto_loop.py``), never past
+        the checkpoint, summary and log cadences (``auto_loop_bound``: the value this
+        field then holds, and what evaluation and prediction use).
       num_shards: replica count; when given it must equal the number the devices provide.
       num_cores_per_replica: devices per replica (model parallelism over the ``"model"`` axis).
       per_host_input_for_training: an ``InputPipelineConfig`` (``True`` means PER_HOST_V1,
@@ -120,9 +125,14 @@ class TPUConfig:
     experimental_host_call_every_n_steps: int | None = None
     experimental_allow_per_host_v2_parallel_get_next: Any = None
     experimental_feed_hook: Any = None
+    # Set by iterations_per_loop="auto" (the field then holds the bound the loops start at).
+    auto_iterations_per_loop: bool = dataclasses.field(default=False, init=False, repr=False)
 
     def __post_init__(self):
         _warn_tf_only("TPUConfig", self, _TPU_TF_ONLY, "TPU runtime settings")
+        if isinstance(self.iterations_per_loop, str) and self.iterations_per_loop == "auto":
+            object.__setattr__(self, "auto_iterations_per_loop", True)
+            object.__setattr__(self, "iterations_per_loop", AUTO_LOOP_MAX)
         every = self.experimental_host_call_every_n_steps
         if every is not None:  # TF's name of host_call_every_n_steps
             if self.host_call_every_n_steps not in (1, every):
@@ -170,11 +180,39 @@ class TPUConfig:
                 raise EstimatorValueError("input_partition_dims requires num_cores_per_replica")
 
     def replace(self, **kwargs) -> TPUConfig:
+        if self.auto_iterations_per_loop and "iterations_per_loop" not in kwargs:
+            kwargs["iterations_per_loop"] = "auto"  # still chosen in train
         _QUIET.on = True  # a copy: the ignored TF arguments were already warned about
         try:
             return dataclasses.replace(self, **kwargs)
         finally:
             _QUIET.on = False
+
+
+AUTO_LOOP_MAX = 1000  # the longest loop iterations_per_loop="auto" runs
+
+
+def auto_loop_bound(config: RunConfig) -> int:
+    """The longest loop ``iterations_per_loop="auto"`` may choose: the largest divisor, at
+    most ``AUTO_LOOP_MAX``, of the greatest common divisor of ``save_checkpoints_steps``,
+    ``log_step_count_steps`` and ``save_summary_steps`` (those set), so that every step
+    those name ends a loop.
+
+    Example:
+      >>> auto_loop_bound(RunConfig(save_summary_steps=100, log_step_count_steps=50))
+      50
+    """
+    cadences = [
+        c
+        for c in (
+            config.save_checkpoints_steps,
+            config.log_step_count_steps,
+            config.save_summary_steps,
+        )
+        if c
+    ]
+    g = math.gcd(*cadences) if cadences else AUTO_LOOP_MAX
+    return max(d for d in range(1, min(g, AUTO_LOOP_MAX) + 1) if g % d == 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +221,24 @@ class RunConfig:
 
     Neither ``save_checkpoints_steps`` nor ``save_checkpoints_secs`` given means every 600 s,
     as in TF; a checkpoint is always written when ``train`` ends. Both given is an error.
+
+    ``cluster`` says which job this process belongs to; the estimator joins it when it is
+    built, before JAX uses a device (``estimator.cluster.cluster.start_cluster``):
+
+    * ``None`` (default): the job the environment describes, as TF's RunConfig read
+      ``TF_CONFIG``: a ``TF_CONFIG`` variable (the local launcher
+      ``python -m estimator.cluster.launch`` sets one), else a cluster JAX detects (a TPU
+      pod, Slurm, Open MPI, Kubernetes) of more than one process; with neither, this
+      process runs alone. So a
+      TF-style script runs unchanged as every process of a job. The environment variable
+      ``TPU_ESTIMATOR_NO_CLUSTER=1`` turns this off.
+    * a ``TPUClusterResolver`` (or anything with ``connect()``): that job.
+    * ``False``: this process runs alone whatever the environment says.
+
+    Example:
+      >>> RunConfig(model_dir="/runs/a").cluster is None     # joins TF_CONFIG's job, if any
+      True
+      >>> alone = RunConfig(model_dir="/runs/a", cluster=False)
 
     Keyword-only extensions over TF's fields:
       compilation_cache_dir: where JAX's persistent compilation cache lives; it is on by
@@ -219,6 +275,16 @@ class RunConfig:
 
     def __post_init__(self):
         _warn_tf_only("RunConfig", self, _TF_ONLY, "TensorFlow session settings")
+        cluster = self.cluster
+        if (
+            cluster is not None
+            and cluster is not False
+            and not callable(getattr(cluster, "connect", None))
+        ):
+            raise EstimatorTypeError(
+                "RunConfig.cluster must be a TPUClusterResolver (or have connect()), None (the "
+                f"job TF_CONFIG or JAX's detection describes) or False (alone), got {cluster!r}"
+            )
         if self.tpu_config is None:
             object.__setattr__(self, "tpu_config", TPUConfig())
         if not isinstance(self.tpu_config, TPUConfig):
@@ -260,6 +326,10 @@ class RunConfig:
                 f"tf_random_seed must fit in 64 bits (-2**63 <= seed < 2**63, as TF's int64 "
                 f"seeds), got {seed}; use a smaller seed, e.g. seed % 2**63"
             )
+        if self.tpu_config.auto_iterations_per_loop:  # "auto" starts at the cadences' bound
+            tpu = self.tpu_config.replace()  # a copy: the given TPUConfig may be shared
+            object.__setattr__(tpu, "iterations_per_loop", auto_loop_bound(self))
+            object.__setattr__(self, "tpu_config", tpu)
 
     @property
     def checkpoint_every_secs(self) -> float | None:

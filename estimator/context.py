@@ -68,6 +68,26 @@ def current_root_module() -> Any:
     return stack[-1] if stack else None
 
 
+#: The note naming the trainable variables model_fn built (``ExponentialMovingAverage.
+#: variables_to_restore()`` reads it after the call, e.g. inside scaffold_fn).
+PARAM_NAMES = "param_names"
+_LAST: dict[str, Any] = {}  # what the last call of any model_fn noted process-wide
+
+
+def note_param_names(names: list[str]) -> None:
+    """Records the names of the variables model_fn built, in the current call's notes and as
+    the last call's (read by code that runs after model_fn, such as scaffold_fn)."""
+    ctx = current()
+    if ctx is not None:
+        ctx.notes[PARAM_NAMES] = names
+    _LAST[PARAM_NAMES] = names
+
+
+def last_param_names() -> list[str] | None:
+    """The variable names the last traced model_fn built (None before any)."""
+    return _LAST.get(PARAM_NAMES)
+
+
 def padding_mask() -> jnp.ndarray:
     """The per-row mask of this replica's batch: 1.0 for real examples, 0.0 for padding.
 

@@ -15,10 +15,14 @@ Example:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from .errors import EstimatorValueError
 from .export_output import ClassificationOutput, PredictOutput, RegressionOutput
+from .io import tf_serving_input as tf_serving_input_lib
 from .io.export import build_raw_serving_input_receiver_fn
 
 log = logging.getLogger("estimator")
@@ -37,17 +41,27 @@ class ServingInputReceiver:
         features are accepted with one warning saying so.
       receiver_tensors_alternatives: TF's alternative input signatures; accepted with the
         same warning.
+      tf_serving_input: keyword-only; a TF-side decoding of the receiver tensors (what
+        ``build_image_serving_input_receiver_fn`` makes): the TF SavedModel's signatures take
+        the receiver tensors and decode them inside the SavedModel.
     """
 
     def __init__(
-        self, features: Any, receiver_tensors: Any = None, receiver_tensors_alternatives: Any = None
+        self,
+        features: Any,
+        receiver_tensors: Any = None,
+        receiver_tensors_alternatives: Any = None,
+        *,
+        tf_serving_input: tf_serving_input_lib.TFServingInput | None = None,
     ):
         if features is None:
             raise EstimatorValueError("ServingInputReceiver: features must be given")
         self.features = features
         self.receiver_tensors = receiver_tensors
         self.receiver_tensors_alternatives = receiver_tensors_alternatives
+        self.tf_serving_input = tf_serving_input
         differs = receiver_tensors is not None and not _same(receiver_tensors, features)
+        differs = differs and tf_serving_input is None
         if differs or receiver_tensors_alternatives is not None:
             log.warning(
                 "ServingInputReceiver: the export's inputs are its features %s; "
@@ -80,11 +94,73 @@ def _describe(features: Any) -> str:
 TensorServingInputReceiver = ServingInputReceiver  # TF's single-tensor spelling
 
 
+def build_image_serving_input_receiver_fn(
+    image_size: int | tuple[int, int],
+    *,
+    channels: int = 3,
+    receiver_key: str = "image_bytes",
+    feature_key: str | None = None,
+    value_range: tuple[float, float] = (0.0, 255.0),
+    resize_method: str = "bilinear",
+    preprocess_fn: Callable[[Any], Any] | None = None,
+    dtype: Any = np.float32,
+) -> Callable[[], ServingInputReceiver]:
+    """A serving_input_receiver_fn that serves encoded images (ResNet's ``image_serving_input_fn``).
+
+    The TF SavedModel that ``export_saved_model`` writes (with the ``tf`` extra) then takes
+    ``receiver_key``: a ``[None]`` ``tf.string`` batch of encoded images (JPEG, PNG, GIF, BMP),
+    and decodes each with TF ops inside the SavedModel (``tf.io.decode_image`` with
+    ``channels``, ``tf.image.resize`` to ``image_size``, values mapped from [0, 255] to
+    ``value_range``) before the exported model. TF Serving's REST request
+    ``{"instances": [{"b64": "<base64 bytes>"}]}`` feeds it. model_fn receives float images
+    ``[batch, height, width, channels]`` (``features`` itself, or ``features[feature_key]``),
+    and the portable export (``estimator.load_saved_model``) takes those decoded images.
+
+    Args:
+      image_size: the model's input size, an int (square) or ``(height, width)``.
+      channels: keyword-only; 1, 3 or 4 (decode_image converts to it).
+      receiver_key: keyword-only; the signature's input name.
+      feature_key: keyword-only; None: the features are the images; a str: a dict of one.
+      value_range: keyword-only; what 0 and 255 become (``(0, 1)``, ``(-1, 1)``, ...).
+      resize_method: keyword-only; a ``tf.image.resize`` method.
+      preprocess_fn: keyword-only; the program's own TF preprocessing of ONE image's bytes
+        (a scalar ``tf.string``) to a ``[height, width, channels]`` image, replacing the
+        decode, resize and value mapping (ResNet's ``preprocess_image(image_bytes=...,
+        is_training=False, image_size=...)``).
+      dtype: keyword-only; the images' dtype.
+
+    Example:
+      >>> fn = estimator.export.build_image_serving_input_receiver_fn(224)
+      >>> path = est.export_saved_model("/tmp/export", fn)
+      >>> tf.saved_model.load(path).signatures["serving_default"](
+      ...     image_bytes=tf.constant([open("cat.jpg", "rb").read()]))
+    """
+    serving = tf_serving_input_lib.image_bytes_input(
+        image_size,
+        channels=channels,
+        receiver_key=receiver_key,
+        feature_key=feature_key,
+        value_range=value_range,
+        resize_method=resize_method,
+        preprocess_fn=preprocess_fn,
+        dtype=dtype,
+    )
+    features = serving.feature if feature_key is None else {feature_key: serving.feature}
+
+    def serving_input_receiver_fn() -> ServingInputReceiver:
+        return ServingInputReceiver(
+            features, {receiver_key: "tf.string [None]"}, tf_serving_input=serving
+        )
+
+    return serving_input_receiver_fn
+
+
 __all__ = [
     "ClassificationOutput",
     "PredictOutput",
     "RegressionOutput",
     "ServingInputReceiver",
     "TensorServingInputReceiver",
+    "build_image_serving_input_receiver_fn",
     "build_raw_serving_input_receiver_fn",
 ]

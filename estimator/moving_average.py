@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import optax
 
 from . import context
+from .engine import multi_loss
 from .errors import EstimatorTypeError, EstimatorValueError
 from .io import variables as variables_lib
 
@@ -137,6 +138,9 @@ class ExponentialMovingAverage:
         self.name = name
         self.use_for_eval = use_for_eval
         self._names: list[str] | None = None  # the averaged params, once init has run
+        # made inside model_fn: that call's notes name its variables once it has returned
+        ctx = context.current()
+        self._call_notes = ctx.notes if ctx is not None else None
 
     def decay_at(self, count: Any) -> Any:
         """The decay of the update that makes ``count`` updates applied (TF's rule)."""
@@ -197,7 +201,8 @@ class ExponentialMovingAverage:
                 inner_state, count, jnp.asarray(int(self.use_for_eval), jnp.int32), shadow
             )
 
-        return optax.GradientTransformationExtraArgs(init, update)
+        # a TrainOp (estimator.group) keeps its losses: TF's ema.apply after tf.group(...)
+        return multi_loss.with_terms(tx, optax.GradientTransformationExtraArgs(init, update))
 
     def average_name(self, var: Any) -> str:
         """``"<name>/ExponentialMovingAverage"`` for a variable name (TF's ``average_name``)."""
@@ -211,17 +216,23 @@ class ExponentialMovingAverage:
 
         Args:
           moving_avg_variables: the averaged variables: a params pytree, a ``{name: value}``
-            dict, or a list of names. None: inside model_fn, the model's ``params`` (TF's
-            ``tf.trainable_variables()``); elsewhere, the params this EMA was applied to.
+            dict, or a list of names. None: TF's ``tf.trainable_variables()``: inside
+            model_fn, the model's ``params``; elsewhere (scaffold_fn), those of the model_fn
+            call this EMA was made in, else the params it was applied to, else those of the
+            model_fn traced last.
 
         Raises:
-          ValueError: None, outside model_fn, before the EMA was applied to any params.
+          ValueError: None, before any model_fn was traced and the EMA applied.
         """
         names = _names_of(moving_avg_variables) if moving_avg_variables is not None else None
         if names is None:
             names = _model_param_names()
+        if names is None and self._call_notes is not None:
+            names = self._call_notes.get(context.PARAM_NAMES)
         if names is None:
             names = self._names
+        if names is None:
+            names = context.last_param_names()
         if names is None:
             raise EstimatorValueError(
                 "ExponentialMovingAverage.variables_to_restore() needs the averaged variables: "

@@ -205,9 +205,7 @@ class _EvalOnCheckpoint(hooks_lib.CheckpointSaverListener):
             return
         path = storage.join(self.est.model_dir, f"model.ckpt-{step}")
         if not storage.finished_step(path):
-            log.warning(
-                "The evaluation of step %d was interrupted; its checkpoint is gone.", step
-            )
+            log.warning("The evaluation of step %d was interrupted; its checkpoint is gone.", step)
             self.pending.mark(step, done=True)
             return
         log.info(

@@ -31,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import operator
+import re
 from typing import Any
 
 import flax.linen as nn
@@ -120,9 +121,13 @@ Variable.__pos__ = lambda self: +self.value
 Variable.__abs__ = lambda self: abs(self.value)
 
 
-def trainable_variables() -> list[Variable]:
+def trainable_variables(scope: str | None = None) -> list[Variable]:
     """The trainable variables model_fn has created so far (TF's ``tf.trainable_variables()``),
     in name order; see the module docstring for what a ``Variable`` is.
+
+    Args:
+      scope: TF's filter: only the variables whose name matches this regular expression at
+        its start (``"Discriminator"``: those built under that ``variable_scope``).
 
     Raises:
       RuntimeError: outside a model_fn called by the estimator.
@@ -142,6 +147,7 @@ def trainable_variables() -> list[Variable]:
     return [
         Variable(VariableName(f"{name}:0", _tf_aliases(name, batch_norms)), value)
         for name, value in sorted(named_variables(params).items())
+        if scope is None or re.match(scope, name)
     ]
 
 

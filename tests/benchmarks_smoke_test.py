@@ -68,6 +68,8 @@ EXPECTED = {
         ("mlp", "2", "estimator, adam"),
         ("mlp", "2", "estimator, adam + ExponentialMovingAverage"),
     ],
+    "reporting_overhead": [("mlp", "2", "reporting off"), ("mlp", "2", "reporting on")],
+    "auto_loop": [("mlp", "1"), ("mlp", "2"), ("mlp", "auto")],
 }
 
 

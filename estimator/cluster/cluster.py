@@ -19,6 +19,10 @@ With none of these the job is one process and ``connect()`` does nothing. JAX 0.
 collectives on CPU by default, so processes on one machine form one mesh of CPU devices (that
 is how the many-host code is tested).
 
+``RunConfig`` joins the job the environment describes (2. or 3., ``from_environment()``)
+unless it is given a resolver, or ``cluster=False`` (or ``TPU_ESTIMATOR_NO_CLUSTER=1``) to
+run alone; the estimator joins when it is built (``start_cluster``).
+
 Example:
   >>> resolver = estimator.TPUClusterResolver()         # TF_CONFIG, or a TPU pod / Slurm job
   >>> config = estimator.RunConfig(model_dir="gs://bucket/run", cluster=resolver)
@@ -53,6 +57,9 @@ TIMEOUT_ENV = {
 }
 _DEFAULT_TIMEOUTS = {"initialization_timeout": 300, "heartbeat_timeout": 20, "shutdown_timeout": 60}
 _LOCAL_TPU_NAMES = ("", "local")
+# Set (to anything but 0/false/no/off) to keep RunConfig from joining the environment's job.
+NO_CLUSTER_ENV = "TPU_ESTIMATOR_NO_CLUSTER"
+_FALSE_WORDS = ("", "0", "false", "no", "off")
 _connected: dict[str, Any] = {}  # what this process connected with (once per process)
 
 
@@ -115,8 +122,8 @@ def parse_tf_config(text: str, *, variable: str = TF_CONFIG) -> dict:
     return {"workers": workers, "chief": bool(chief), "process_id": offset + index}
 
 
-def jax_cluster_environment() -> str | None:
-    """The name of the cluster JAX's own detection finds here (TPU pod, Slurm, ...), or None.
+def _detected_cluster() -> Any:
+    """The ``ClusterEnv`` class JAX's own detection finds here, or None.
 
     Uses JAX's ``ClusterEnv`` registry; opt-in methods (mpi4py) are not probed.
     """
@@ -127,10 +134,26 @@ def jax_cluster_environment() -> str | None:
             with warnings.catch_warnings():  # e.g. "Kubernetes detected, package missing"
                 warnings.simplefilter("ignore")
                 if env.is_env_present():
-                    return env.__name__
+                    return env
         except Exception as e:  # noqa: BLE001 - a broken probe must not stop the job
             log.debug("Cluster detection %s failed: %s", env.__name__, e)
     return None
+
+
+def jax_cluster_environment() -> str | None:
+    """The name of the cluster JAX's own detection finds here (TPU pod, Slurm, ...), or None."""
+    env = _detected_cluster()
+    return None if env is None else env.__name__
+
+
+def _detected_process_count() -> int | None:
+    """Processes in the job JAX detects (None: none detected, or it cannot tell)."""
+    env = _detected_cluster()
+    try:
+        return None if env is None else int(env.get_process_count())
+    except Exception as e:  # noqa: BLE001 - unknown: join and let JAX find out
+        log.debug("Cluster detection %s gave no process count: %s", env.__name__, e)
+        return None
 
 
 class TPUClusterResolver:
@@ -205,6 +228,7 @@ class TPUClusterResolver:
                 ", ".join(ignored),
             )
         self.tpu = tpu
+        self._env_var = env_var
         self._workers: list[str] | None = None
         self._chief = False
         num_processes = _int_or_none("num_processes", num_processes)
@@ -260,6 +284,20 @@ class TPUClusterResolver:
         if self.num_processes is None and jax_cluster_environment() is not None:
             return "auto"
         return "local"
+
+    @property
+    def source(self) -> str:
+        """Where the job's description came from, for messages: ``"TF_CONFIG"`` (the
+        variable read), ``"the arguments"``, JAX's detection (``"SlurmCluster"``, ...) or
+        ``"nothing"`` (one process)."""
+        mode = self.mode
+        if mode == "local":
+            return "nothing"
+        if self._workers is not None:
+            return self._env_var
+        if mode == "explicit":
+            return "the arguments"
+        return jax_cluster_environment() or f"the TPU {self.tpu!r}"
 
     def cluster_spec(self) -> dict[str, list[str]]:
         """The job's tasks as TF's ``ClusterSpec.as_dict()``: ``{"worker": [...]}``.
@@ -400,25 +438,52 @@ def start_cluster(
     *,
     model_dir: str | None,
     latest_checkpoint: Callable[[str], str | None] | None = None,
-) -> None:
-    """Connects ``RunConfig.cluster`` (anything with ``connect()``); None does nothing.
+) -> Any:
+    """Joins the job of ``RunConfig.cluster`` before JAX uses a device; returns the resolver.
 
+    ``cluster`` is anything with ``connect()`` (a ``TPUClusterResolver``); ``None`` means the
+    job the environment describes (``from_environment()``: ``TF_CONFIG`` or a cluster JAX
+    detects), as TF's RunConfig read ``TF_CONFIG``; ``False`` runs this process alone.
     ``latest_checkpoint(model_dir)`` is what the host-loss message names as the last
     committed checkpoint.
+
+    Returns:
+      The resolver joined, or None when this process runs alone.
 
     Raises:
       TypeError: ``cluster`` has no ``connect()`` method.
       ValueError: a many-process job without a ``model_dir`` (each process would pick its
         own temporary directory, and checkpoints are written by all of them together).
+      RuntimeError: JAX already used a device (the message names the opt-outs when the job
+        came from the environment).
+
+    Example:
+      >>> start_cluster(None, model_dir="/runs/a")      # joins TF_CONFIG's job, if any
     """
-    if cluster is None:
-        return
+    if cluster is False:
+        return None
+    automatic = cluster is None
+    if automatic:
+        cluster = from_environment()
+        if cluster is None:
+            return None
     connect = getattr(cluster, "connect", None)
     if not callable(connect):
         raise EstimatorTypeError(
-            f"RunConfig.cluster must be a TPUClusterResolver (or have connect()), got {cluster!r}"
+            f"RunConfig.cluster must be a TPUClusterResolver (or have connect()), None or "
+            f"False, got {cluster!r}"
         )
-    connect()
+    try:
+        connect()
+    except (EstimatorRuntimeError, ClusterConfigError) as e:
+        if not automatic:
+            raise
+        # The user never named a cluster: say where the job came from and how to run alone.
+        raise type(e)(
+            f"{e}. This process joins the job {cluster.source} describes because "
+            f"RunConfig(cluster=None) joins it, as TF's RunConfig did; pass "
+            f"RunConfig(cluster=False) or set {NO_CLUSTER_ENV}=1 to run it alone"
+        ) from e
     import jax
 
     if model_dir is None and jax.process_count() > 1:
@@ -428,10 +493,31 @@ def start_cluster(
         )
     if latest_checkpoint is not None:
         watchdog.watch_model_dir(model_dir, latest_checkpoint)
+    return cluster
 
 
 def from_environment() -> TPUClusterResolver | None:
-    """A resolver when this process is part of a many-process job (TF_CONFIG, or a cluster
-    JAX detects), else None. The ``tpu-estimator`` command uses it."""
+    """A resolver when the environment describes a many-process job, else None.
+
+    The job comes from ``TF_CONFIG`` (as the local launcher sets it) or a cluster JAX
+    detects (a TPU pod, Slurm, Open MPI, Kubernetes) of more than one process (a one-host TPU
+    VM is detected too, and has nothing to join). ``TPU_ESTIMATOR_NO_CLUSTER=1`` makes it
+    None whatever the environment says. ``RunConfig(cluster=None)`` and the
+    ``tpu-estimator`` command use it.
+
+    Example:
+      >>> spec = {"cluster": {"worker": ["h0:1", "h1:1"]}, "task": {"index": 1}}
+      >>> os.environ["TF_CONFIG"] = json.dumps(spec)
+      >>> from_environment().process_id
+      1
+    """
+    if os.environ.get(NO_CLUSTER_ENV, "").strip().lower() not in _FALSE_WORDS:
+        return None
     resolver = TPUClusterResolver()
-    return None if resolver.mode == "local" else resolver
+    if resolver.mode == "local":
+        return None
+    # A one-host TPU VM is "detected" too: a job of one process has nothing to join, and
+    # joining it would refuse a program that already used JAX.
+    if resolver.mode == "auto" and _detected_process_count() == 1:
+        return None
+    return resolver

@@ -8,7 +8,8 @@ and a ``TF_CONFIG`` naming the coordinator (a free port on 127.0.0.1) and its ow
 get ``grace`` seconds to fail on their own (JAX's heartbeats notice a dead process) and are
 then killed, and the launcher returns non-zero.
 
-Any Python program can be launched the same way::
+Any Python program can be launched the same way; a TF-style script needs no change, since
+its ``RunConfig`` joins the job ``TF_CONFIG`` describes (``RunConfig(cluster=None)``)::
 
   python -m estimator.cluster.launch --num_processes 2 -- my_training_script.py --flag=value
 

@@ -75,6 +75,10 @@ class StepBudget:
         self._planned += max(n, 0)
         return n
 
+    def set_iterations_per_loop(self, n: int) -> None:
+        """The steps of the loops staged from now on (``iterations_per_loop="auto"``)."""
+        self._ipl = n
+
     def reached(self, step: int) -> bool:
         """Whether ``step`` is at (or past) the target."""
         return self.target is not None and step >= self.target

@@ -8,13 +8,14 @@ from typing import Any, Protocol
 
 import jax
 
+from ..cluster import progress
 from ..config import RunConfig
 from ..engine.state import train_state_parts
 from ..io.checkpoint import Checkpoints
 from ..io.input_position import ROWS_KEY
 from ..io.store import LastState, StateStore
 from ..parallel import multihost
-from . import preemption
+from . import goodput, goodput_record, preemption
 from .host import HostWorker
 
 log = logging.getLogger("estimator")
@@ -68,11 +69,14 @@ class Checkpointer:
         step = int(jax.device_get(state.step)) if step is None else step
         if step == self.last_step:
             return self.ckpts.path(step)
+        progress.enter("checkpoint", step)  # a hung write is then named as one
         for listener in self.listeners:
             listener.before_save(self.session, step)
         variables, train = train_state_parts(state)
         meta = self.meta(step)
-        self.ckpts.save(step, variables, train, meta)
+        with goodput.phase("checkpoint"):
+            self.ckpts.save(step, variables, train, meta)
+        goodput_record.saved(step)  # the job's time up to this checkpoint, by part
         log.info("Saving checkpoints for %d into %s.", step, self.ckpts.path(step))
         self.last_step, self.last_time = step, time.monotonic()
         if self.listeners:

@@ -30,6 +30,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..cluster import progress
+
 
 def loops_of(chunks: Iterator, first: Any = None) -> Iterator[tuple[int, Iterator]]:
     """Groups a stream of chunks (each with ``ends_loop``) into loops, lazily.
@@ -74,7 +76,8 @@ def dispatch(
     ``features``, ``labels`` and ``mask`` become ``InputShape``s of it.
     """
     pending = None
-    for chunk in calls:
+    # Phases marked so the stall watchdog can say what a stuck process was doing.
+    for chunk in progress.each(calls, "input", then="step"):
         out = launch(chunk)
         chunk = chunk._replace(**{k: _shapes(getattr(chunk, k)) for k in _INPUTS})
         if pending is not None:

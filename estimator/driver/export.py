@@ -162,7 +162,8 @@ def export_saved_model(
         raise EstimatorTypeError(
             f"serving_input_receiver_fn must be callable, got {serving_input_receiver_fn!r}"
         )
-    specs = feature_specs(serving_input_receiver_fn())
+    receiver = serving_input_receiver_fn()
+    specs = feature_specs(receiver)
     variables, step = _restore(programs, store, specs, checkpoint_path)
     export = _export(
         programs, specs, variables, step, fold_variables=fold_variables, platforms=platforms
@@ -171,7 +172,9 @@ def export_saved_model(
     if jax.process_index() != 0:
         return ""
     names = variables_lib.names(variables)
-    return write_export(str(export_dir_base), export, names, specs, signature)
+    # an encoded-image receiver: TF decodes inside the TF SavedModel (io/tf_serving_input.py)
+    serving_input = getattr(receiver, "tf_serving_input", None)
+    return write_export(str(export_dir_base), export, names, specs, signature, serving_input)
 
 
 __all__ = ["export_saved_model"]

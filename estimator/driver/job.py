@@ -27,6 +27,7 @@ class Job:
       programs: the compiled loops and the traced specs.
       store: checkpoints and the last in-memory training state.
       feeder: input pipelines and prefetching.
+      loop_choice: what ``iterations_per_loop="auto"`` chose, for later calls (``auto_loop``).
     """
 
     config: RunConfig
@@ -35,6 +36,7 @@ class Job:
     programs: Programs
     store: StateStore
     feeder: Feeder
+    loop_choice: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def model_dir(self) -> str:

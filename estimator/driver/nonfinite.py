@@ -1,26 +1,38 @@
 """The all-finite check of the training state: no checkpoint ever holds a NaN or Inf.
 
-The compiled train step returns, for every step, one flag per floating-point leaf of the new
-params, the other collections and the optimizer state (``engine.loops.finite_flags``). The
-training loop checks them right after each device loop, before hooks run and before anything
-is saved, so a NaN that reached the state with a finite loss (a NaN gradient, an optimizer
-that divides by zero) stops training with ``NanLossDuringTrainingError`` naming the first
-non-finite step and what was non-finite; the newest checkpoint stays the last finite state.
+Each compiled train call returns one flag per floating-point leaf of the params, the other
+collections and the optimizer state it ends with (``engine.loops.finite_flags``): one pass
+over the state per call, not per step (docs/performance.md, finding 14). The training loop
+checks them as each call is fetched, before hooks run and before anything is saved, so a NaN
+that reached the state with a finite loss (a NaN gradient, an optimizer that divides by
+zero) stops training with ``NanLossDuringTrainingError`` naming the first non-finite step
+and what was non-finite; the newest checkpoint stays the last finite state.
+
+Only on failure is the step found (``FiniteGuard``): the call is replayed from its input
+state, which the program kept (``Programs.train``), with per-step flags. With non-finite
+steps skipped no replay is needed: every step keeps a finite state finite, so it was the
+state the call started from. Where keeping the input state is not cheap, the program
+returns per-step flags instead, as every call once did. A value that turns non-finite and
+is overwritten again within one call (a collection replaced every step) is not reported:
+what is checked is what a checkpoint could hold.
 
 Example:
   >>> names = state_leaf_names(state.params, state.state, state.opt_state)  # once per call
-  >>> check_finite(flags, losses, steps, names)  # after every device loop
+  >>> guard = FiniteGuard(names, per_step=False, replay_loop=lambda: per_step_program)
+  >>> guard.check(flags, losses, steps, source)  # after every compiled call
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from ..errors import NanLossDuringTrainingError
 from ..io.variables import path_name
+from ..parallel import multihost
 
 _SHOWN = 4  # names listed in the error
 
@@ -82,4 +94,65 @@ def check_finite(
         "before saving it: no checkpoint holds a non-finite value, the newest one is the "
         f"last finite state.{first_step_hint(step) if 'loss' in bad else ''}",
         global_step=step,
+    )
+
+
+class Replay(NamedTuple):
+    """What a train call started from: its input state (kept, not donated) and batches."""
+
+    state: Any
+    features: Any
+    labels: Any
+
+
+class FiniteGuard:
+    """Checks each train call's all-finite flags; on failure names the first bad step.
+
+    Args:
+      names: the leaves' names (``state_leaf_names``).
+      per_step: the flags are ``[n, leaves]``, one row per step; otherwise ``[leaves]`` of
+        the state the call returned (``Programs.train(per_step_flags=...)``).
+      replay_loop: ``() -> loop`` the per-step program (it donates what it is given), to
+        rerun a failed call from its kept input; None where non-finite steps are skipped.
+    """
+
+    def __init__(self, names: list[str], *, per_step: bool, replay_loop: Callable[[], Any] | None):
+        self.names, self.per_step, self.replay_loop = names, per_step, replay_loop
+
+    def keeps(self, steps: int) -> bool:
+        """Whether a call of ``steps`` steps must keep its input (``Replay``) for a replay."""
+        return not self.per_step and self.replay_loop is not None and steps > 1
+
+    def check(self, flags, losses, steps: np.ndarray, source: Replay | None) -> None:
+        """Raises ``NanLossDuringTrainingError`` if the call left a non-finite state.
+
+        ``steps`` are the call's global steps; ``source`` its kept input (``keeps``).
+        """
+        if self.per_step:
+            check_finite(flags, losses, steps, self.names)
+            return
+        flags = np.asarray(flags, bool).reshape(-1)
+        if flags.all():
+            return
+        if source is not None:
+            _, (losses, _, per_step) = self.replay_loop()(*source)
+            del source  # donated to the replay
+            losses, per_step = multihost.to_host((losses, per_step))
+            check_finite(per_step, losses, steps, self.names)
+            _not_reproduced(flags, steps, self.names)
+        # One step, or non-finite steps skipped (a finite state stays finite, so the state
+        # the call started from was not): the call's first step.
+        check_finite(np.tile(flags, (len(steps), 1)), losses, steps, self.names)
+
+
+def _not_reproduced(flags: np.ndarray, steps: np.ndarray, names: list[str]) -> None:
+    """Raises for a call whose result was non-finite while its replay stayed finite."""
+    bad = [names[j] if j < len(names) else f"leaf {j}" for j in np.flatnonzero(~flags)]
+    first, last = int(steps[0]), int(steps[-1])
+    raise NanLossDuringTrainingError(
+        f"NaN or Inf in the training state after global step {last} (non-finite: "
+        f"{', '.join(bad[:_SHOWN])}); replaying steps {first}-{last} from the state before "
+        "them did not reproduce it, so the first non-finite step is not known. Training "
+        "stopped before saving it: no checkpoint holds a non-finite value.",
+        global_step=last,
     )

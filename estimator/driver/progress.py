@@ -54,7 +54,9 @@ class Startup:
 
 class StartupSummaryHook(hooks_lib.SessionRunHook):
     """Logs the start-up summary after the first loop (``log_startup_summary``), with the
-    time to the first step; the XLA compilations until then at DEBUG."""
+    time to the first step; the XLA compilations until then at DEBUG. With ``loop_note``
+    (``iterations_per_loop="auto"``) the summary waits until it returns the loop's
+    description (or training ends)."""
 
     def __init__(
         self,
@@ -63,9 +65,11 @@ class StartupSummaryHook(hooks_lib.SessionRunHook):
         startup: Startup,
         *,
         train_program: Callable[[], Any] | None = None,
+        loop_note: Callable[[], str | None] | None = None,
         **fields,
     ):
         self._mesh, self._config, self._startup = mesh, config, startup
+        self._loop_note, self._seconds = loop_note, None
         # () -> the compiled train loop, for its memory_analysis() line at DEBUG
         self._train_program = train_program
         # Shapes and shardings only: the arrays themselves are donated to the first loop.
@@ -80,9 +84,22 @@ class StartupSummaryHook(hooks_lib.SessionRunHook):
     def after_run(self, run_context, run_values) -> None:
         if self._done:
             return
+        if self._seconds is None:
+            self._seconds = self._startup.first_step_done()
+        note = None if self._loop_note is None else self._loop_note()
+        if self._loop_note is None or note is not None:
+            self._log(note)
+
+    def end(self, session) -> None:
+        if not self._done and self._seconds is not None:
+            self._log(None if self._loop_note is None else self._loop_note())
+
+    def _log(self, loop_note: str | None) -> None:
         self._done = True
-        seconds = self._startup.first_step_done()
-        log_startup_summary(self._mesh, self._config, **self._fields, first_step_secs=seconds)
+        seconds = self._seconds
+        log_startup_summary(
+            self._mesh, self._config, **self._fields, first_step_secs=seconds, loop_note=loop_note
+        )
         c = self._startup.compiles
         log.debug(
             "XLA compilations before the first step: %d compiled, %d loaded from the "
@@ -121,16 +138,18 @@ def log_startup_summary(
     opt_state: Any = None,
     state: Any = None,
     first_step_secs: float,
+    loop_note: str | None = None,
 ) -> None:
     """One block: devices, mesh, batch sizes, parameter count, the bytes one device holds of
-    the parameters and of the optimizer state, and the time to the first step; then the
-    parameter table (``parameter_table``) of ``params`` and the other collections ``state``."""
+    the parameters and of the optimizer state, the loop length (``loop_note`` when "auto"
+    chose it) and the time to the first step; then the parameter table (``parameter_table``)
+    of ``params`` and the other collections ``state``."""
     devices = mesh.devices.reshape(-1)
     kinds = sorted({d.device_kind for d in devices})
     log.info(
         "Training on %d %s device(s) (%s), %d process(es); mesh %s; global batch %d, "
         "per-replica batch %d, %d replica(s); %s parameters; per device: parameters %s, "
-        "optimizer state %s; iterations_per_loop %d%s; from step %d%s; first step after %.2f s.",
+        "optimizer state %s; iterations_per_loop %s%s; from step %d%s; first step after %.2f s.",
         len(devices),
         devices[0].platform,
         ", ".join(kinds),
@@ -142,7 +161,7 @@ def log_startup_summary(
         f"{count_parameters(params):,}",
         format_bytes(zero.bytes_per_device(params)),
         format_bytes(zero.bytes_per_device(opt_state)),
-        config.tpu_config.iterations_per_loop,
+        loop_note or config.tpu_config.iterations_per_loop,
         _trainer_features(config.tpu_config, replica_batch),
         start_step,
         "" if target is None else f" to step {target}",

@@ -25,6 +25,7 @@ import numpy as np
 import hooks as hooks_lib
 
 from .. import summary
+from ..cluster import progress as cluster_progress
 from ..config import RunConfig
 from ..data.inputs import Chunk
 from ..engine import precision
@@ -39,7 +40,17 @@ from ..io.store import LastState
 from ..parallel import multihost
 from ..scaffold import IN_MODEL_FN, fresh_init_fn
 from ..spec import ModeKeys
-from . import dispatch, hparams, nonfinite, preemption, progress
+from . import (
+    auto_loop,
+    dispatch,
+    goodput,
+    goodput_record,
+    hparams,
+    nonfinite,
+    preemption,
+    progress,
+    throughput,
+)
 from .budget import StepBudget, log_end, planned_last_steps
 from .checkpointer import Checkpointer, save_then_drain, wait_committed
 from .hook_runner import HookRunner, Session
@@ -109,19 +120,24 @@ class TrainRun:
     # ------------------------------------------------------------------ the call
     def run(self) -> TrainOutcome:
         called = time.monotonic()
+        cluster_progress.enter("startup")  # the stall watchdog names each phase it stalls in
         lock = lease.for_model_dir(self.job.model_dir)  # one trainer; process 0 holds it
         multihost.run_on_process_0(
             lambda: _acquire(lock, self.job.model_dir), f"locking model_dir {self.job.model_dir}"
         )
         self.startup = progress.Startup(since=called)
+        self.goodput = goodput.Goodput(since=called, model_dir=self.job.model_dir)
         try:
-            return self._run_locked()
+            with goodput.active(self.goodput):
+                return self._run_locked()
         finally:
             self.startup.close()
             lock.release()
+            goodput_record.write(self.goodput, self.step)  # the next run counts what is lost
 
     def _run_locked(self) -> TrainOutcome:
-        latest = self._latest()
+        with goodput.phase("checkpoint"):
+            latest = self._latest()
         start = latest[0] if latest else 0
         self.budget = self._budget(start)
         if self.budget.reached(start):
@@ -148,11 +164,15 @@ class TrainRun:
             reason = EndReason.SIGNAL if signals.requested else EndReason.INPUT_END
             return TrainOutcome(latest[0] if latest else 0, reason)
         _check_loss_dtype(self.job.programs.spec(ModeKeys.TRAIN))
+        goodput_record.resume(self.goodput, self.job.model_dir, meta)
         runner = self.hooks()
         worker = HostWorker(max_queued=HOST_CALL_QUEUE_LOOPS)  # the device waits for a slow host
         try:
             reason = self.loop(runner, worker, signals)
             self.finish(runner, worker, signals)
+            with goodput.phase("checkpoint"):
+                wait_committed(self.saver.ckpts)
+            goodput_record.report(self.goodput, self.writer, self.step)
         finally:
             self._close_input()
             worker.close(timeout=0.5 if signals.requested else 30)
@@ -176,7 +196,7 @@ class TrainRun:
             steps=self.steps,
             max_steps=self.max_steps,
             hook_targets=planned_last_steps(self.user_hooks, start),
-            iterations_per_loop=self.job.config.tpu_config.iterations_per_loop,
+            iterations_per_loop=auto_loop.chosen(self.job),
         )
 
     # ------------------------------------------------------------------ phases
@@ -217,7 +237,8 @@ class TrainRun:
         self.prefetch = job.feeder.prefetch(
             pipe, self.budget.next_loop, policy, skip=skip, interrupt=interrupt
         )
-        self.first = next(self.prefetch, None)
+        with goodput.phase("input_wait"):
+            self.first = next(self.prefetch, None)
         if self.first is not None:
             return True
         self._close_input()
@@ -236,7 +257,8 @@ class TrainRun:
         self.model_batch = jax.tree.leaves(first.features)[0].shape[1] // job.num_replicas
         job.model.check_labels(self.pipe.has_labels)
         example = (first.features, first.labels)
-        restored = restore_train_state(job.programs, job.store, example, self.model_batch)
+        with goodput.phase("checkpoint"):
+            restored = restore_train_state(job.programs, job.store, example, self.model_batch)
         if restored is None:
             self.state = fresh_train_state(job.programs, example, self.model_batch, self._init_fn)
             return True
@@ -268,6 +290,9 @@ class TrainRun:
         self.step = step = int(jax.device_get(state.step))
         layout = job.feeder.layout(ModeKeys.TRAIN)
         global_batch = layout.global_rows or self.model_batch
+        compiled = self._train_program()
+        call_steps = jax.tree.leaves(self.first.features)[0].shape[0]  # the first call's
+        tuner = auto_loop.tuner_for(job, self.budget, call_steps=call_steps)
         first = progress.StartupSummaryHook(
             job.mesh,
             cfg,
@@ -279,7 +304,8 @@ class TrainRun:
             state=state.state,
             start_step=step,
             target=self.budget.target,
-            train_program=self._train_program(),
+            train_program=compiled,
+            loop_note=auto_loop.note(job, tuner),
         )
         given = list(job.programs.spec(ModeKeys.TRAIN).training_hooks) + self.user_hooks
         if progress.progress_enabled(cfg.progress_bar):
@@ -293,6 +319,7 @@ class TrainRun:
             examples_per_step=global_batch,
             opt_state=lambda: self.state.opt_state,  # after each loop, before the next one
             train_op=train_op,
+            flops=throughput.ModelFlops.of(job, compiled, steps=call_steps),
         )
         if step == 0 and cfg.save_summary_steps:  # from scratch: params in the HPARAMS tab
             trainer = hparams.trainer_hparams(
@@ -314,28 +341,38 @@ class TrainRun:
             mode=ModeKeys.TRAIN, model_dir=job.model_dir, global_step=step, save=self.saver.save
         )
         self.saver.session = self.session
-        return HookRunner([first, *defaults, *given], self.session, examples_per_step=global_batch)
+        reporting = [goodput_record.GoodputHook(self.goodput)]
+        hooks = [*auto_loop.as_list(tuner), first, *defaults, *given, *reporting]
+        return HookRunner(hooks, self.session, examples_per_step=global_batch)
 
     def _train_program(self):
-        """() -> the compiled train loop of the first chunk's shapes (for the DEBUG memory
-        line; abstract shapes only, as the state is donated to the first loop)."""
-        if self.first is None or not log.isEnabledFor(logging.DEBUG):
+        """() -> the compiled train loop of the first chunk's shapes, the one the loop runs
+        (for the DEBUG memory line and the model FLOPs; abstract shapes only, as the state
+        is donated to the first loop)."""
+        if self.first is None:
             return None
 
         def abstract(x):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
         args = jax.tree.map(abstract, (self.state, self.first.features, self.first.labels))
-        programs, batch = self.job.programs, self.model_batch
-        return lambda: programs.train(batch).lower(*args).compile()
+        programs, batch, steps = self.job.programs, self.model_batch, self.first.steps
+
+        def compiled():  # what the calls ran: compiled ahead or loaded, else in jit's cache
+            loop = programs.train(batch, per_step_flags=programs.per_step_flags(args[0]))
+            return loop.executable(steps) or loop.lower(*args).compile()
+
+        return compiled
 
     def loop(self, runner: HookRunner, worker: HostWorker, signals: StopSignals) -> EndReason:
         """Runs loops until the budget is reached, a hook or listener stops, the input ends
         or a signal comes; returns which."""
         job, cfg = self.job, self.job.config
-        program = job.programs.train(self.model_batch)
+        per_step = job.programs.per_step_flags(self.state)
+        program = job.programs.train(self.model_batch, per_step_flags=per_step)
         state = self.state
         names = nonfinite.state_leaf_names(state.params, state.state, state.opt_state)
+        guard = nonfinite.FiniteGuard(names, per_step=per_step, replay_loop=self._replay_loop())
         runner.begin()
         for listener in self.saver.listeners:
             listener.begin()
@@ -349,18 +386,22 @@ class TrainRun:
             layout = job.feeder.layout(ModeKeys.EVAL)
             job.programs.compile_eval_ahead(self.state, first, layout, steps=evals[0])
         loops = dispatch.loops_of(self.prefetch, first) if first is not None else iter(())
+        loops = cluster_progress.each(loops, "input", then="hooks", step=lambda: self.step)
         del first  # the loop holds it until its call is dispatched
         job.store.forget()  # the state is donated to the loop from here on
-        for loop_steps, calls in loops:
+        for loop_steps, calls in goodput.each(loops, "input_wait"):
             steps = np.arange(self.step + 1, self.step + loop_steps + 1)
             runner.before_run(steps)
-            losses, host, finite, done = _run_calls(program, self, calls)
+            # each call's state is checked as it is fetched, before anything is saved
+            with goodput.phase("productive"):
+                losses, host, done = _run_calls(program, self, calls, guard)
             steps = steps[:done]  # fewer when the input ended inside the loop
-            nonfinite.check_finite(finite, losses, steps, names)  # before anything is saved
             self.step += done
             self.losses = losses
             self.session.global_step = self.step
+            cluster_progress.enter("host_call", self.step)
             self._host_call(worker, host, steps, signals)
+            cluster_progress.enter("hooks")
             hook_stop = runner.after_run(_loop_values(cfg, self.state, losses, steps, host), steps)
             multihost.check_worker(worker, "host_call")
             self.saver.maybe_save(self.step)
@@ -369,6 +410,14 @@ class TrainRun:
                 return reason
         # The input ended (or a stop request ended a wait for it).
         return EndReason.SIGNAL if signals.requested else EndReason.INPUT_END
+
+    def _replay_loop(self):
+        """() -> the per-step train program a failed call is replayed with (None when the
+        programs keep no input state: non-finite steps are skipped)."""
+        programs, batch = self.job.programs, self.model_batch
+        if not programs.keeps_train_input():
+            return None
+        return lambda: programs.train(batch, per_step_flags=True)
 
     def _host_call(self, worker: HostWorker, host, steps: np.ndarray, signals) -> None:
         """The loop's host_call on the host thread, once, on process 0."""
@@ -406,6 +455,7 @@ class TrainRun:
             self.saver.listeners = []
             save_then_drain(self.saver, worker, step)
         else:
+            cluster_progress.enter("host_call", step)
             multihost.check_worker(worker, "host_call", join=True)
             self.saver.save(step)
             for listener in self.saver.listeners:
@@ -439,6 +489,7 @@ def _default_hooks(
     examples_per_step: int,
     opt_state=lambda: None,
     train_op=None,
+    flops: throughput.ModelFlops | None = None,
 ) -> list:
     """The training summaries (loss, speed, the learning rate and injected hyperparameters
     of the train_op, read through ``opt_state()``) and the loss log line, NanTensorHook
@@ -457,13 +508,23 @@ def _default_hooks(
             writer, every=config.save_summary_steps, opt_state=opt_state, train_op=train_op
         ),
     ]
+    if flops is not None:  # perf/ scalars every save_summary_steps, one line at the end
+        every_summary, batch = config.save_summary_steps, examples_per_step
+        out.append(
+            throughput.PerfSummaryHook(
+                writer, every=every_summary, flops=flops, examples_per_step=batch
+            )
+        )
     if every:
         out.append(LossLoggingHook(every))
     own_nan = any(isinstance(h, hooks_lib.NanTensorHook) for h in given)
     if not (precision.skips_nonfinite(config) or own_nan):
         out.append(NanLossHook("loss"))
     if every:  # logs speed; the summaries come every save_summary_steps (TrainSummaries)
-        out.append(hooks_lib.StepCounterHook(every_n_steps=every))
+        if flops is None:
+            out.append(hooks_lib.StepCounterHook(every_n_steps=every))
+        else:  # the per-device figures follow its lines
+            out.append(throughput.PerfStepCounterHook(every_n_steps=every, flops=flops))
     return out
 
 
@@ -523,20 +584,35 @@ def _loop_values(config: RunConfig, state: TrainState, losses, steps, host) -> d
     return values
 
 
-def _run_calls(loop, run: TrainRun, calls) -> tuple[np.ndarray, Any, np.ndarray, int]:
+def _run_calls(
+    loop, run: TrainRun, calls, guard: nonfinite.FiniteGuard
+) -> tuple[np.ndarray, Any, int]:
     """Runs one loop's compiled calls back to back (``dispatch``); returns its per-step
-    losses, host tensors and all-finite flags, fetched to the host (global rows on every
-    process), and its number of steps. The input position advances with each call."""
+    losses and host tensors, fetched to the host (global rows on every process), and its
+    number of steps. Each call's all-finite flags are checked as it is fetched (``guard``;
+    its input state, when kept for a replay, is released then). The input position
+    advances with each call."""
 
     def launch(chunk: Chunk):
+        kept = None
+        if guard.keeps(chunk.steps):
+            kept = nonfinite.Replay(run.state, chunk.features, chunk.labels)
         run.state, outputs = loop(run.state, chunk.features, chunk.labels)
-        return outputs
+        return outputs, kept
+
+    def fetch(launched):
+        return multihost.to_host(launched[0]), launched[1]
 
     parts, done = [], 0
-    for chunk, outputs in dispatch.dispatch(calls, launch=launch, fetch=multihost.to_host):
-        parts.append(outputs)
+    calls = goodput.each(calls, "input_wait")
+    for chunk, (outputs, kept) in dispatch.dispatch(calls, launch=launch, fetch=fetch):
+        losses, host, finite = outputs
+        first = run.step + done + 1
+        guard.check(finite, losses, np.arange(first, first + chunk.steps), kept)
+        del kept
+        parts.append((losses, host))
         done += chunk.steps
         run.position.input_pulls += chunk.pulls
         run.position.input_state = chunk.input_state
-    losses, host, finite = dispatch.concat_steps(parts)
-    return losses, host, finite, done
+    losses, host = dispatch.concat_steps(parts)
+    return losses, host, done

@@ -41,6 +41,7 @@ from . import executables
 log = logging.getLogger("estimator")
 
 POOL_THREADS = 2
+COMPILE_WAIT = "/estimator/compile_wait_duration"  # a JAX monitoring event: waiting for one
 _POOL: list[ThreadPoolExecutor] = []
 _POOL_LOCK = threading.Lock()
 
@@ -91,6 +92,14 @@ class AheadCall:
         self._ahead[steps] = future
         return future
 
+    def executable(self, steps: int) -> Any:
+        """The executable calls of ``steps`` ran when it was compiled ahead or loaded by its
+        trace; None otherwise (then jit's own cache holds it)."""
+        future = self._ahead.get(steps)
+        if future is None or not future.done() or future.exception() is not None:
+            return None
+        return future.result()
+
     def __call__(self, *args):
         if not self._ahead and executables.cache_dir() is None:
             return self._jitted(*args)
@@ -104,6 +113,10 @@ class AheadCall:
             future.set_result(executables.load_or_compile(self._jitted, args))
             self._ahead[steps] = future
         try:
+            if not future.done():  # the caller waits for a compile: reported (goodput)
+                start = time.perf_counter()
+                future.exception()
+                jax.monitoring.record_event_duration_secs(COMPILE_WAIT, time.perf_counter() - start)
             compiled = future.result()  # waits while it is still compiling
             out = compiled(*args)
         except Exception as e:  # noqa: BLE001 (jit below raises a real error again)

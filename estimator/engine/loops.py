@@ -32,7 +32,7 @@ from ..parallel import fsdp, zero
 from ..parallel.mesh import DATA
 from ..parallel.replica_context import is_varying
 from ..spec import ModeKeys, TPUEstimatorSpec
-from . import microbatch, precision
+from . import microbatch, multi_loss, precision
 from .model import ModelFn, step_rngs
 
 
@@ -171,7 +171,8 @@ def _update_fn(holder: SpecHolder, *, skip_nonfinite: bool):
             params=params, state=new_state, opt_state=opt_state, step=state.step + 1
         )
         if skip_nonfinite or state.loss_scale is not None:
-            # skipped if its loss, its gradient or the new state is not finite
+            # skipped if its loss, its gradient or the new state is not finite; so a state
+            # that enters finite stays finite, and the per-call check needs no per-step flags
             finite = jnp.isfinite(loss) & jnp.all(finite_flags(grads)) & jnp.all(_state_flags(new))
             kept = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, state)
             new = kept._replace(step=state.step + 1, nonfinite=state.nonfinite + (~finite))
@@ -239,11 +240,13 @@ def _train_step_parts(
                 loss = _scalar_loss(spec)
                 host = precision.float32_outputs(host_tensors(spec.host_call), dtype)
                 new_state = precision.keep_dtypes(new_state, collections)
-                return precision.scale_loss(loss, state.loss_scale), (loss, new_state, host)
+                objective = multi_loss.objective(spec, loss)  # a TrainOp: one loss per term
+                return precision.scale_loss(objective, state.loss_scale), (loss, new_state, host)
 
             if view is not None:  # FSDP: each parameter gathered where it is used
                 loss_fn = fsdp.gathered_at_use(loss_fn)
-            (_, (loss, new, host)), grads = jax.value_and_grad(loss_fn, has_aux=True)(varying)
+            grad_fn = multi_loss.value_and_grad(loss_fn, holder, model)
+            (_, (loss, new, host)), grads = grad_fn(varying)
             return loss, grads, new, host
 
         loss, grads, new_state, host = microbatch.accumulate(
@@ -268,10 +271,15 @@ def make_train_loop(
     shard_params: bool = False,
     compute_dtype: str | None = None,
     num_microbatches: int = 1,
+    per_step_flags: bool = True,
+    donate: bool = True,
 ):
-    """``loop(state, batch) -> (state, (loss[n], host_tensors[n, ...], finite[n, leaves]))``,
-    state donated. ``finite`` flags every floating-point leaf of the new params, collections
-    and optimizer state per step (``finite_flags``); the host checks it before any save.
+    """``loop(state, batch) -> (state, (loss[n], host_tensors[n, ...], finite))``, state
+    donated unless ``donate=False``. ``finite`` flags every floating-point leaf of the params,
+    collections and optimizer state (``finite_flags``): ``[leaves]`` of the state the call
+    returns, or with ``per_step_flags`` ``[n, leaves]``, one row per step. The host checks it
+    before any save (``driver/nonfinite.py``); the per-step form costs a pass over the whole
+    state every step (docs/performance.md, finding 14), so it is kept for finding the step.
 
     ``var_specs`` ({"params": ..., collection: ...} of PartitionSpecs) keeps variables sharded
     over ``"model"``; ``input_specs`` (features, labels) splits inputs spatially.
@@ -301,6 +309,8 @@ def make_train_loop(
             param_specs=param_specs,
             state_specs=state_specs,
             shard_params=shard_params,
+            per_step_flags=per_step_flags,
+            donate=donate,
         )
 
     def place(params, opt_state, new_state):
@@ -311,10 +321,10 @@ def make_train_loop(
         grads = mean_gradients(grads)
         loss = lax.pmean(loss, DATA)
         new = update(state, loss, grads, replica_mean(new_state), place)
-        return new, (loss, host, _state_flags(new))
+        return new, (loss, host, _state_flags(new) if per_step_flags else None)
 
     def loop(state: TrainState, features, labels):
-        return _scan(step_fn, state, (features, labels), unroll)
+        return _final_flags(_scan(step_fn, state, (features, labels), unroll), per_step_flags)
 
     sharded = jax.shard_map(
         loop,
@@ -323,7 +333,14 @@ def make_train_loop(
         out_specs=(P(), (P(), P(None, DATA), P())),
         axis_names={DATA},
     )
-    return jax.jit(sharded, donate_argnums=0)
+    return jax.jit(sharded, donate_argnums=0 if donate else ())
+
+
+def _final_flags(scanned: tuple, per_step_flags: bool) -> tuple:
+    """A train scan's ``(state, (loss, host, flags))``; without per-step flags, the flags of
+    the state it ends with: one pass over the state per call, not per step."""
+    new, (loss, host, flags) = scanned
+    return new, (loss, host, flags if per_step_flags else _state_flags(new))
 
 
 def make_sharded_state_train_loop(
@@ -336,6 +353,8 @@ def make_sharded_state_train_loop(
     param_specs: Any,
     state_specs: Any,
     shard_params: bool,
+    per_step_flags: bool = True,
+    donate: bool = True,
 ):
     """The train loop with optimizer state (and with ``shard_params`` parameters) split over
     ``"data"`` (ZeRO-1/2/3; the layout rules are in ``zero``).
@@ -388,12 +407,12 @@ def make_sharded_state_train_loop(
 
         grads = zero.constrain(grads, mesh, sharded)
         new = update(state, loss, grads, new_state, place)
-        return new, (loss, host, _state_flags(new))
+        return new, (loss, host, _state_flags(new) if per_step_flags else None)
 
     def loop(state: TrainState, features, labels):
-        return _scan(step_fn, state, (features, labels), unroll)
+        return _final_flags(_scan(step_fn, state, (features, labels), unroll), per_step_flags)
 
-    return jax.jit(loop, donate_argnums=0)
+    return jax.jit(loop, donate_argnums=0 if donate else ())
 
 
 def make_eval_loop(

@@ -23,6 +23,7 @@ from ..parallel.mesh import DATA
 from ..parallel.replica_context import replica_scope
 from ..spec import ModeKeys, TPUEstimatorSpec, as_tpu_spec
 from ..tpu_context import TPUContext
+from .multi_loss import leaf_names
 
 _MODEL_FN_ARGS = ("features", "labels", "mode", "params", "config")
 RESERVED_PARAMS = ("batch_size", "context")
@@ -101,7 +102,10 @@ class _Root(nn.Module):
             "config": self.config,
         }
         with context.root_module(self):  # estimator.trainable_variables() reads its params
-            return self.model_fn(**{n: values[n] for n in self.arg_names})
+            spec = self.model_fn(**{n: values[n] for n in self.arg_names})
+        # read after the call: ExponentialMovingAverage.variables_to_restore() in scaffold_fn
+        context.note_param_names(leaf_names(nn.meta.unbox(self.variables.get("params", {}))))
+        return spec
 
 
 class ModelFn:

@@ -11,6 +11,7 @@ specs (``var_specs``, known after the first trace), which later programs and res
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,30 @@ from .model import ModelFn
 from .tails import CallCosts
 
 log = logging.getLogger("estimator")
+
+
+# A train call's input state is kept for a replay (the check of a call's result finds the
+# step only on failure) when one more copy of the state fits in this share of a device's
+# memory; otherwise every step is checked, which costs a pass over the state per step.
+KEPT_STATE_SHARE = 1 / 16
+
+
+def _shard_bytes(x: Any) -> int:
+    """Bytes of one device's part of an array (or of a ``ShapeDtypeStruct`` with sharding)."""
+    sharding = getattr(x, "sharding", None)
+    shape = x.shape if sharding is None else sharding.shard_shape(x.shape)
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(x.dtype).itemsize
+
+
+def _device_bytes(mesh: Mesh) -> int:
+    """A device's memory: its allocator's limit, or on CPU (no limit reported) the host's
+    physical memory shared by its local devices."""
+    device = mesh.local_devices[0]  # another process's device reports no memory
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host // max(1, len(mesh.local_devices))
 
 
 def _train_steps(args: tuple) -> int:
@@ -75,15 +100,38 @@ class Programs:
             lambda: make_init(self.model, self.mesh, self.specs, mode=mode, batch_size=batch_size),
         )
 
-    def train(self, batch_size: int) -> Callable:
+    def train(self, batch_size: int, *, per_step_flags: bool = False) -> Callable:
         """``loop(state, features, labels) -> (state, (losses, host, finite))`` over stacked
-        steps (``finite``: per-step all-finite flags of the new state, ``loops.finite_flags``)."""
+        steps (``finite``: all-finite flags of the state the call returns, ``[leaves]``, or
+        with ``per_step_flags`` of every step's, ``[n, leaves]``; ``loops.finite_flags``).
+
+        The per-step program donates its input state. The other keeps it (a non-finite
+        result is replayed from it with per-step flags to find the step) unless non-finite
+        steps are skipped: then a finite input state gives a finite result, so only the
+        state a call starts from can be the culprit, and the state is donated."""
         return self._get(
-            ("train", batch_size),
-            lambda: ahead.AheadCall(self._make_train_loop(batch_size), steps_of=_train_steps),
+            ("train", batch_size, per_step_flags),
+            lambda: ahead.AheadCall(
+                self._make_train_loop(batch_size, per_step_flags), steps_of=_train_steps
+            ),
         )
 
-    def _make_train_loop(self, batch_size: int) -> Callable:
+    def keeps_train_input(self) -> bool:
+        """Whether the per-call train program keeps (does not donate) its input state."""
+        return not precision.skips_nonfinite(self.config)
+
+    def per_step_flags(self, state: Any) -> bool:
+        """Whether training checks the state every step (``train(per_step_flags=True)``):
+        only when keeping a call's input state for a replay is not cheap, i.e. the state
+        (``TrainState`` of arrays or ``ShapeDtypeStruct``s with shardings) takes more than
+        ``KEPT_STATE_SHARE`` of a device's memory."""
+        if not self.keeps_train_input():
+            return False
+        held = (state.params, state.state, state.opt_state)
+        per_device = sum(_shard_bytes(x) for x in jax.tree.leaves(held))
+        return per_device > KEPT_STATE_SHARE * _device_bytes(self.mesh)
+
+    def _make_train_loop(self, batch_size: int, per_step_flags: bool) -> Callable:
         return make_train_loop(
             self.model,
             self.mesh,
@@ -97,6 +145,8 @@ class Programs:
             shard_params=self.config.tpu_config.shard_params,
             compute_dtype=self.config.tpu_config.compute_dtype,
             num_microbatches=self.config.tpu_config.num_microbatches,
+            per_step_flags=per_step_flags,
+            donate=per_step_flags or not self.keeps_train_input(),
         )
 
     def compile_train_ahead(self, shapes: dict, shardings: Any, example: tuple) -> bool:
@@ -141,7 +191,8 @@ class Programs:
         features, labels = jax.tree.map(like, tuple(example))
         leaves = jax.tree.leaves(features)
         batch = leaves[0].shape[1] // self.mesh.shape[DATA]
-        self.train(batch).compile_ahead(leaves[0].shape[0], (state, features, labels))
+        loop = self.train(batch, per_step_flags=self.per_step_flags(state))
+        loop.compile_ahead(leaves[0].shape[0], (state, features, labels))
         return True
 
     def infer(self, mode: str, batch_size: int) -> Callable:

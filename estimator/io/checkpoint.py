@@ -45,7 +45,7 @@ from ..errors import (
     EstimatorValueError,
     NoCheckpointError,
 )
-from . import disk_full, orbax_noise, step_names
+from . import disk_full, local_read, orbax_noise, step_names
 from . import variables as variables_lib
 from .meta_format import checked_meta, load_json, with_checksum
 
@@ -291,6 +291,10 @@ class Checkpoints:
             create=not read_only,
             cleanup_tmp_directories=not read_only,  # only unfinished *.orbax-checkpoint-tmp
             todelete_subdir=None if read_only else _ROTATED,
+            # A reader is this process's alone: no barrier waits for the others (local_read).
+            multiprocessing_options=local_read.process_local_options()
+            if read_only
+            else ocp.options.MultiprocessingOptions(),
         )
         # Orbax warns "Given directory is read only" for every reader: a newcomer reads it as a
         # permissions problem, and a reader is read-only by design.

@@ -194,7 +194,9 @@ def _json(signature: dict) -> str:
     )
 
 
-def _write_tf(directory: str, export: ExportedProgram, names: list[str], specs: Any) -> bool:
+def _write_tf(
+    directory: str, export: ExportedProgram, names: list[str], specs: Any, serving_input: Any
+) -> bool:
     """The TF SavedModel, when TensorFlow is installed; else one log line per process saying
     how (an exporter may export at every evaluation: not one warning each time)."""
     if not tf_saved_model.tensorflow_available():
@@ -217,24 +219,35 @@ def _write_tf(directory: str, export: ExportedProgram, names: list[str], specs: 
         single_input=not isinstance(specs, Mapping),
         signatures=export.signatures,
         platforms=export.exported.platforms,
+        serving_input=serving_input,
     )
     return True
 
 
 def write_export(
-    base: str, export: ExportedProgram, names: list[str], specs: Any, signature: dict
+    base: str,
+    export: ExportedProgram,
+    names: list[str],
+    specs: Any,
+    signature: dict,
+    serving_input: Any = None,
 ) -> str:
     """Writes the export into a new ``<base>/<timestamp>`` directory and returns its path.
+
+    ``serving_input`` (``io/tf_serving_input.py``) makes the TF SavedModel's signatures take
+    encoded images; it is recorded in ``signature.json`` as ``tf_serving_input``.
 
     Locally it is written as ``temp-<ts>`` and renamed when complete. On an object store it is
     written into a local staging directory, uploaded, and marked finished with
     ``storage.COMMIT_FILE`` last (readers skip an export without it).
     """
     if storage.is_url(base):
-        return _write_remote(base, export, names, specs, signature)
+        return _write_remote(base, export, names, specs, signature, serving_input)
+    if serving_input is not None:
+        signature["tf_serving_input"] = dict(serving_input.description)
     temp, final, fd = export_temp.reserve(base)  # also removes dead exports' temp folders
     try:
-        signature["tf_saved_model"] = _write_tf(temp, export, names, specs)
+        signature["tf_saved_model"] = _write_tf(temp, export, names, specs, serving_input)
         portable = os.path.join(temp, PORTABLE_DIR)
         os.makedirs(portable)
         with open(os.path.join(portable, COMPUTATION_FILE), "wb") as f:
@@ -264,10 +277,15 @@ def write_export(
 
 
 def _write_remote(
-    base: str, export: ExportedProgram, names: list[str], specs: Any, signature: dict
+    base: str,
+    export: ExportedProgram,
+    names: list[str],
+    specs: Any,
+    signature: dict,
+    serving_input: Any,
 ) -> str:
     with tempfile.TemporaryDirectory(prefix="tpu_estimator_export_") as local_base:
-        local = write_export(local_base, export, names, specs, signature)
+        local = write_export(local_base, export, names, specs, signature, serving_input)
         stamp = int(os.path.basename(local))
         while storage.exists(storage.join(base, str(stamp))):
             stamp += 1  # another export took this second meanwhile

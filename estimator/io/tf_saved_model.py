@@ -65,6 +65,7 @@ def write_tf_saved_model(
     single_input: bool,
     signatures: Mapping[str, Mapping[str, Any]],
     platforms: Sequence[str] | None = None,
+    serving_input: Any = None,
 ) -> None:
     """Converts ``fn`` with jax2tf and saves it, with its variables, as a TF SavedModel.
 
@@ -79,6 +80,9 @@ def write_tf_saved_model(
         flat output name}}`` (``io/signatures.py``). A classification signature's ``classes``
         become strings (TF's dtype for them): integer class ids as their decimal digits.
       platforms: jax2tf native serialization platforms (default: the current backend).
+      serving_input: a ``tf_serving_input.TFServingInput``: the signatures take its receiver
+        tensors (encoded images) and decode them with TF ops before ``fn``; the module's
+        ``forward`` still takes the features.
     """
     tf, jax2tf = _tf()
     specs = {
@@ -109,8 +113,17 @@ def write_tf_saved_model(
     # One traced function shared by every signature, so the module (and, when folded, its
     # constants) is stored once.
     module.forward = tf.function(forward, input_signature=[input_signature], autograph=False)
+    entry = module.forward
+    if serving_input is not None:  # TF decodes the receiver tensors in front of the model
+        input_signature = serving_input.input_signature(tf)
+        entry = tf.function(
+            lambda received: module.forward(serving_input.features(tf, received)),
+            input_signature=[input_signature],
+            autograph=False,
+        )
+        module.serve = entry
     concrete = {
-        key: _signature_function(tf, module.forward, sig).get_concrete_function(input_signature)
+        key: _signature_function(tf, entry, sig).get_concrete_function(input_signature)
         for key, sig in signatures.items()
     }
     tf.saved_model.save(module, directory, signatures=concrete)

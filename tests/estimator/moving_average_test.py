@@ -101,7 +101,8 @@ def test_bad_arguments_are_named():
         tx.update(params, tx.init(params))
 
 
-def test_variables_to_restore_maps_tf_names():
+def test_variables_to_restore_maps_tf_names(monkeypatch):
+    monkeypatch.setattr(estimator.context, "_LAST", {})  # as before any model_fn was traced
     ema = estimator.ExponentialMovingAverage(0.9)
     expected = {f"{n}/{AVG}": n for n in ("d/bias", "d/kernel")}
     tree = {"d": {"kernel": np.zeros((2, 2)), "bias": np.zeros(2)}}
@@ -244,6 +245,34 @@ def test_ported_saver_route_reads_the_shadow(tmp_path, initial):
     est = h.make_estimator(tmp_path / "ported", model_fn, ipl=2)
     _train(est, 4)
     assert _evaluate(h.make_estimator(tmp_path / "ported", model_fn, ipl=2)) == _evaluate(initial)
+
+
+@pytest.mark.parametrize("made", ["in_model_fn", "outside"])
+def test_variables_to_restore_without_arguments_inside_scaffold_fn(tmp_path, initial, made):
+    """Issue 41 (item 8): TF allows ``ema.variables_to_restore()`` anywhere, scaffold_fn too,
+    where it means the model's trainable variables; an evaluator that never trained (a fresh
+    EMA object, never applied) reads the shadow through it."""
+    outside = estimator.ExponentialMovingAverage(1.0)
+
+    def model_fn(features, labels, mode, params):
+        hdn = nn.Dense(16, name="hidden")(features["x"])
+        logits = nn.Dense(3, name="out")(nn.relu(hdn))
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        ema = estimator.ExponentialMovingAverage(1.0) if made == "in_model_fn" else outside
+        if mode == estimator.ModeKeys.TRAIN:
+            train_op = estimator.ExponentialMovingAverage(1.0).apply(optax.sgd(0.5))
+            return estimator.TPUEstimatorSpec(mode, loss=loss, train_op=train_op)
+
+        def scaffold_fn():
+            return estimator.Scaffold(saver=estimator.Saver(ema.variables_to_restore()))
+
+        return estimator.TPUEstimatorSpec(
+            mode, loss=loss, eval_metrics=(h.metric_fn, [labels, logits]), scaffold_fn=scaffold_fn
+        )
+
+    _train(h.make_estimator(tmp_path / "run", model_fn, ipl=2), 4)
+    evaluator = h.make_estimator(tmp_path / "run", model_fn, ipl=2)
+    assert _evaluate(evaluator) == _evaluate(initial)  # decay 1: the initial weights
 
 
 def test_evaluate_from_disk_looks_for_a_shadow_only_where_the_meta_says_one_was_saved(

@@ -6,6 +6,8 @@ TensorBoard's own event reader.
 """
 
 import importlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -138,10 +140,7 @@ def test_a_saving_listener_sees_every_checkpoint_and_can_stop_training(tmp_path)
 
 
 # ------------------------------------------------------------- stopped and restarted
-def _tae_job(model_dir, *args) -> "subprocess.Popen":
-    import subprocess
-    import sys
-
+def _tae_job(model_dir, *args) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "tests.estimator._tae_job", str(model_dir), *args],
         cwd=Path(__file__).resolve().parents[2],
