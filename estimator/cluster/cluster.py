@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import warnings
 from collections.abc import Callable
@@ -54,8 +55,14 @@ TIMEOUT_ENV = {
     "initialization_timeout": "TPU_ESTIMATOR_INIT_TIMEOUT",
     "heartbeat_timeout": "TPU_ESTIMATOR_HEARTBEAT_TIMEOUT",
     "shutdown_timeout": "TPU_ESTIMATOR_SHUTDOWN_TIMEOUT",
+    "stall_timeout": watchdog.STALL_TIMEOUT_ENV,
 }
-_DEFAULT_TIMEOUTS = {"initialization_timeout": 300, "heartbeat_timeout": 20, "shutdown_timeout": 60}
+_DEFAULT_TIMEOUTS = {
+    "initialization_timeout": 300,
+    "heartbeat_timeout": 20,
+    "shutdown_timeout": 60,
+    "stall_timeout": watchdog.DEFAULT_STALL_TIMEOUT,
+}
 _LOCAL_TPU_NAMES = ("", "local")
 # Set (to anything but 0/false/no/off) to keep RunConfig from joining the environment's job.
 NO_CLUSTER_ENV = "TPU_ESTIMATOR_NO_CLUSTER"
@@ -172,6 +179,9 @@ class TPUClusterResolver:
         exits with code 75 (default 20; ``estimator.cluster.watchdog``).
       shutdown_timeout: seconds a finishing process waits for the others at exit (default
         60).
+      stall_timeout: seconds a process may go without progress (the step it reached, its
+        phase) while others wait for it, before every process exits 75 naming it (default
+        1800, above the largest legitimate compile; ``TPU_ESTIMATOR_STALL_TIMEOUT``).
       env_var: the TF_CONFIG-style variable to read.
       zone, project, job_name, coordinator_name, credentials, service, discovery_url: TF's
         Cloud TPU API arguments, keyword-only; accepted so ported programs run unchanged, and
@@ -199,9 +209,10 @@ class TPUClusterResolver:
         num_processes: int | None = None,
         process_id: int | None = None,
         *,
-        initialization_timeout: int | None = None,
-        heartbeat_timeout: int | None = None,
-        shutdown_timeout: int | None = None,
+        initialization_timeout: float | None = None,
+        heartbeat_timeout: float | None = None,
+        shutdown_timeout: float | None = None,
+        stall_timeout: float | None = None,
         env_var: str = TF_CONFIG,
         zone: str | None = None,
         project: str | None = None,
@@ -249,13 +260,12 @@ class TPUClusterResolver:
             "initialization_timeout": initialization_timeout,
             "heartbeat_timeout": heartbeat_timeout,
             "shutdown_timeout": shutdown_timeout,
+            "stall_timeout": stall_timeout,
         }
         for name, value in self.timeouts.items():
-            if value is None:
-                value = int(os.environ.get(TIMEOUT_ENV[name], _DEFAULT_TIMEOUTS[name]))
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise EstimatorValueError(f"{name} must be a positive int (seconds), got {value!r}")
-            self.timeouts[name] = value
+            self.timeouts[name] = watchdog.timeout_seconds(
+                name, value, env=TIMEOUT_ENV[name], default=_DEFAULT_TIMEOUTS[name]
+            )
         self._check()
 
     def _check(self) -> None:
@@ -360,12 +370,12 @@ class TPUClusterResolver:
         try:
             jax.distributed.initialize(
                 **kwargs,
-                initialization_timeout=self.timeouts["initialization_timeout"],
+                initialization_timeout=math.ceil(self.timeouts["initialization_timeout"]),
                 # JAX's own detection (an abort from C++) stays behind the watchdog's.
                 heartbeat_timeout_seconds=watchdog.jax_heartbeat_timeout(
                     self.timeouts["heartbeat_timeout"]
                 ),
-                shutdown_timeout_seconds=self.timeouts["shutdown_timeout"],
+                shutdown_timeout_seconds=math.ceil(self.timeouts["shutdown_timeout"]),
             )
         except ValueError as e:  # JAX's detection found nothing to complete the arguments
             raise ClusterConfigError(
@@ -382,6 +392,7 @@ class TPUClusterResolver:
             process_id=jax.process_index(),
             num_processes=jax.process_count(),
             bound=self.timeouts["heartbeat_timeout"],
+            stall_timeout=self.timeouts["stall_timeout"],
         )
         log.info(
             "Process %d of %d: %d local devices, %d in all.",

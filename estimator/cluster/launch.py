@@ -118,7 +118,7 @@ def child_envs(
             {"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}
         )
         for name, value in (timeouts or {}).items():
-            env[TIMEOUT_ENV[name]] = str(int(value))
+            env[TIMEOUT_ENV[name]] = str(value)
         envs.append(env)
     return envs
 

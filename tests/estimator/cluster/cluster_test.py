@@ -66,12 +66,13 @@ def test_resolver_arguments_and_timeouts(monkeypatch):
         "initialization_timeout": 300,
         "heartbeat_timeout": 7,
         "shutdown_timeout": 3,
+        "stall_timeout": 1800.0,
     }
     with pytest.raises(ValueError, match="process_id=2 must be smaller than num_processes=2"):
         TPUClusterResolver(coordinator_address="h:1", num_processes=2, process_id=2)
     with pytest.raises(ValueError, match="'host:port'"):
         TPUClusterResolver(coordinator_address="h", num_processes=2, process_id=0)
-    with pytest.raises(ValueError, match="heartbeat_timeout must be a positive int"):
+    with pytest.raises(ValueError, match="heartbeat_timeout must be a positive"):
         TPUClusterResolver(heartbeat_timeout=0)
 
 
