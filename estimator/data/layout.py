@@ -97,6 +97,11 @@ class BatchLayout:
         return rows // self.local_replicas
 
     @property
+    def input_processes(self) -> int:
+        """Processes whose inputs together make one global batch (1 in BROADCAST)."""
+        return 1 if self.broadcast else self.processes
+
+    @property
     def copies(self) -> int:
         """How many replicas see each input row (all of them in BROADCAST)."""
         return self.local_replicas if self.broadcast else 1

@@ -12,7 +12,7 @@ from ..cluster import progress
 from ..config import RunConfig
 from ..engine.state import train_state_parts
 from ..io.checkpoint import Checkpoints
-from ..io.input_position import ROWS_KEY
+from ..io.input_position import PROCESSES_KEY, ROWS_KEY
 from ..io.store import LastState, StateStore
 from ..parallel import multihost
 from . import goodput, goodput_record, preemption
@@ -54,7 +54,9 @@ class Checkpointer:
         *,
         pulls_per_step: int = 1,
         rows_per_pull: int | None = None,
+        input_processes: int = 1,
     ):
+        self.input_processes = input_processes
         self.ckpts, self.run, self.store = ckpts, run, store
         self.listeners, self.session = list(listeners), None
         self.stop_requested = False
@@ -100,6 +102,7 @@ class Checkpointer:
         out["skipped_pulls"] = max(position.input_pulls - step * self.pulls_per_step, 0)
         if self.rows_per_pull:  # a resume with another batch size counts in examples
             out[ROWS_KEY] = self.rows_per_pull
+            out[PROCESSES_KEY] = self.input_processes
         if multihost.is_multiprocess():  # one iterator per process: keep every position
             states = multihost.gather_objects(position.input_state)
             if any(s is not None for s in states):

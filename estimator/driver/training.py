@@ -223,6 +223,7 @@ class TrainRun:
                 rows_per_pull=pipe.rows_per_pull,
                 path=path,
                 stateful=pipe.stateful and saved is not None,
+                processes=job.feeder.layout(ModeKeys.TRAIN).input_processes,
             )
         if resume and pipe.stateful and saved is not None:
             pipe.set_state(saved)
@@ -335,6 +336,7 @@ class TrainRun:
             self.listeners,
             pulls_per_step=layout.pulls_per_step,
             rows_per_pull=layout.rows_per_pull,
+            input_processes=layout.input_processes,
         )
         self.saver.last_step = step if ckpts.steps() else None
         self.session = Session(

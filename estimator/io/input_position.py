@@ -25,10 +25,17 @@ from .checkpoint import checked_input_pulls
 log = logging.getLogger("estimator")
 
 ROWS_KEY = "input_rows_per_pull"
+PROCESSES_KEY = "input_processes"
 
 
 def resume_pulls(
-    meta: dict, *, pulls_per_step: int, rows_per_pull: int | None, path: str, stateful: bool = False
+    meta: dict,
+    *,
+    pulls_per_step: int,
+    rows_per_pull: int | None,
+    path: str,
+    stateful: bool = False,
+    processes: int = 1,
 ) -> int:
     """The pulls to fast-forward a deterministic input by (see the module docstring).
 
@@ -46,8 +53,11 @@ def resume_pulls(
     saved = meta.get(ROWS_KEY)
     if not pulls or rows_per_pull is None or not isinstance(saved, int) or saved <= 0:
         return pulls
-    if saved == rows_per_pull:
+    # Every process pulls as often; the job's rows of one pull are what both runs share.
+    saved_procs = meta.get(PROCESSES_KEY, processes)  # older checkpoints: the same job
+    if saved * saved_procs == rows_per_pull * processes:
         return pulls
+    saved, rows_per_pull = saved * saved_procs, rows_per_pull * processes
     if stateful:
         log.warning(
             "Resuming with another input batch size: %d rows per input batch now, %d when "

@@ -75,13 +75,6 @@ def test_devices_8_then_4_then_1_with_the_same_global_batch(tmp_path, reference)
     _assert_each_leg_matches(model_dir, reference)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the input position is counted in one process's examples (input_rows_per_pull), "
-    "so a resume on another process count fast-forwards each process by a factor of the "
-    "process counts too far or too short (measured 0.026 off after 4 steps); it needs the "
-    "job's rows per pull in the meta (issue 38)",
-)
 def test_processes_1_then_2_then_1_with_the_same_global_batch(tmp_path, reference):
     model_dir = _run_legs(tmp_path, [(1, 8), (2, 4), (1, 8)])
     _assert_each_leg_matches(model_dir, reference)
