@@ -16,6 +16,9 @@ _TEST_XLA_FLAGS = (
 )
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *_TEST_XLA_FLAGS]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# etils.epath picks TensorFlow's file system for gs:// once TensorFlow is imported (a test of
+# the TF SavedModel does), and TF's GCS client ignores the GCS emulator: gcsfs, always.
+os.environ["EPATH_USE_TF"] = "false"
 os.environ.setdefault("TPU_ESTIMATOR_NO_PROGRESS_BAR", "1")
 # Tests check behaviour, not speed: skipping XLA's optimisation passes compiles faster (an
 # environment variable, so subprocesses started by tests get it too).
