@@ -27,7 +27,7 @@ from estimator.driver import checkpointer as checkpointer_lib
 from estimator.driver.checkpointer import Checkpointer, save_then_drain, wait_committed
 from estimator.engine.loops import TrainState
 from estimator.io.checkpoint import Checkpoints
-from estimator.io.input_position import ROWS_KEY
+from estimator.io.input_position import PROCESSES_KEY, ROWS_KEY
 from estimator.io.store import StateStore
 
 
@@ -206,6 +206,7 @@ def test_saved_state_reads_back_with_orbax(tmp_path):
                 "input_pulls": 4,
                 "skipped_pulls": 0,
                 ROWS_KEY: 32,
+                PROCESSES_KEY: 1,  # how many processes read the input (a resume converts)
                 "input_state": {"epoch": 1, "offset": 7},
             },
         ),
