@@ -274,7 +274,7 @@ class BestExporter(_SavedModelExporter):
         """The best evaluation recorded in the event files, at steps before ``before_step``
         (the current evaluation is already written there and is judged on its own)."""
         by_step: dict[int, dict] = {}
-        for path in _event_files(model_dir, self._event_file_pattern):
+        for path in storage.glob(model_dir, self._event_file_pattern):
             for event in event_reader.summary_iterator(path):
                 if not event.HasField("summary"):
                     continue
@@ -340,10 +340,6 @@ def as_exporters(exporters: Any) -> tuple[Exporter, ...]:
 
 class ExportsInterrupted(EstimatorRuntimeError):
     """A stop request (SIGTERM) ended ``run_exporters`` before the named exporter ran."""
-
-
-def _event_files(model_dir: str, pattern: str) -> list[str]:
-    return storage.glob(model_dir, pattern)
 
 
 def run_exporters(

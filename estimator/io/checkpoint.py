@@ -833,7 +833,9 @@ def read_variables(path: str) -> dict[str, Any]:
     model_dir, step = resolve_path(path, storage.dirname(storage.dirname(path)))
     ckpts = Checkpoints(model_dir, read_only=True)
     wanted = step if step is not None else ckpts.newest_step()
-    stamp = _stamp(ckpts.path(wanted)) if wanted is not None else None
+    # a checkpoint rewritten at the same step (a new run in the same model_dir) is a new
+    # directory, with another stamp
+    stamp = storage.stamp(ckpts.path(wanted)) if wanted is not None else None
     with _READ_LOCK:
         if stamp is not None and _READ.get("stamp") == stamp:
             return dict(_READ["names"])
@@ -855,12 +857,6 @@ def read_variables(path: str) -> dict[str, Any]:
 
 _READ: dict = {}  # the last checkpoint read_variables read: its directory's stamp, its names
 _READ_LOCK = threading.Lock()
-
-
-def _stamp(step_dir: str) -> tuple | None:
-    """What identifies one written checkpoint directory: a checkpoint rewritten at the same
-    step (a new run in the same model_dir) is a new directory (see ``storage.stamp``)."""
-    return storage.stamp(step_dir)
 
 
 def _placed(value: np.ndarray, spec: Any) -> Any:

@@ -19,6 +19,7 @@ from estimator import storage
 from estimator.cli import app as cli
 from hooks import event_reader
 from tests import helpers
+from tests.estimator.driver.training_resume_test import _assert_bitwise_equal, _read_step
 
 ROOT = Path(__file__).resolve().parents[2]
 X, Y = helpers.make_data(n=96)
@@ -209,17 +210,8 @@ def _job(model_dir: str, *extra: str, timeout: float = 240) -> subprocess.Popen:
 
 
 def _final_arrays(model_dir: str, step: int) -> dict:
-    """Every array of the final checkpoint, read with Orbax directly."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    out = {}
-    path = storage.epath_of(storage.join(model_dir, f"model.ckpt-{step}"))
-    for item in ("variables", "train"):
-        tree = ocp.PyTreeCheckpointer().restore(path / item)
-        leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-        out.update({f"{item}{jax.tree_util.keystr(k)}": np.asarray(v) for k, v in leaves})
-    return out
+    """Every array (and the meta) of a checkpoint, read with Orbax directly."""
+    return _read_step(storage.epath_of(model_dir), step)
 
 
 @pytest.mark.filterwarnings("ignore:Sharding info not provided")
@@ -242,6 +234,4 @@ def test_sigkill_mid_save_on_a_bucket_resumes_bitwise(gcs_url, tmp_path):
     ref_out, _ = reference.communicate(timeout=240)
     assert "DONE 24" in ref_out, ref_out[-3000:]
     got, want = _final_arrays(killed_dir, 24), _final_arrays(storage.join(gcs_url, "reference"), 24)
-    assert sorted(got) == sorted(want)
-    for name in want:
-        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    _assert_bitwise_equal(got, want, "killed during the save of step 12 on a bucket")
