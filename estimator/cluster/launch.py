@@ -30,7 +30,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import IO
 
 from ..errors import EstimatorValueError
@@ -205,8 +205,37 @@ def wait_all(
         time.sleep(poll)
 
 
+# Gloo (JAX's CPU collectives) prints one notice per context it connects, a dozen in a
+# two-process run, from several threads at once: its pieces interleave across lines.
+_GLOO_PIECE = re.compile(
+    r"\[Gloo\] Rank | is connected to | peer ranks\. |Expected number of connected peer ranks is : "
+)
+_FRAGMENT = re.compile(r"[\d\s]*")
+
+
+def quiet_gloo(lines: Iterable[str]) -> Iterator[str]:
+    """The lines, less Gloo's "Rank i is connected to n peer ranks" notices.
+
+    A run of lines holding the notices' pieces (and the bare numbers and line ends their
+    interleaving leaves) is dropped when nothing else is in it; otherwise it passes whole.
+    """
+    burst: list[str] = []
+    for line in lines:
+        if _GLOO_PIECE.search(line) or (burst and _FRAGMENT.fullmatch(line)):
+            burst.append(line)
+            continue
+        yield from _unless_gloo(burst)
+        burst = []
+        yield line
+    yield from _unless_gloo(burst)
+
+
+def _unless_gloo(burst: list[str]) -> list[str]:
+    return [] if _FRAGMENT.fullmatch(_GLOO_PIECE.sub("", "".join(burst))) else burst
+
+
 def _forward(stream: IO[str], sink: IO[str], prefix: str) -> None:
-    for line in stream:
+    for line in quiet_gloo(stream):
         sink.write(prefix + line)
         sink.flush()
 

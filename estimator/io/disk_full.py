@@ -67,6 +67,20 @@ def model_dir_full_error(model_dir: str, what: str) -> OSError:
     )
 
 
+def export_full_error(base: str) -> OSError:
+    """The error for an export that did not fit: ENOSPC naming the export directory.
+
+    The half-written export was removed; the exports made before are untouched.
+    """
+    return OSError(
+        errno.ENOSPC,
+        f"No space left on device: the export into {base} could not be written; nothing "
+        "partial was left there and earlier exports are intact. Free space on that disk (or "
+        "export elsewhere) and export again: the checkpoint it reads is unchanged",
+        base,
+    )
+
+
 def _keep(record: logging.LogRecord) -> bool:
     exc = record.exc_info[1] if record.exc_info else None
     return not (record.levelno >= logging.ERROR and is_disk_full(exc))

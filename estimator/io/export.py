@@ -62,7 +62,7 @@ import numpy as np
 
 from .. import storage
 from ..errors import EstimatorTypeError, EstimatorValueError
-from . import export_temp, tf_saved_model
+from . import disk_full, export_temp, tf_saved_model
 from . import variables as variables_lib
 
 COMPUTATION_FILE = "saved_model.jax"
@@ -241,8 +241,23 @@ def write_export(
     written into a local staging directory, uploaded, and marked finished with
     ``storage.COMMIT_FILE`` last (readers skip an export without it).
     """
-    if storage.is_url(base):
-        return _write_remote(base, export, names, specs, signature, serving_input)
+    writer = _write_remote if storage.is_url(base) else _write_local
+    try:
+        return writer(base, export, names, specs, signature, serving_input)
+    except Exception as e:
+        if disk_full.is_disk_full(e):  # TF's ResourceExhaustedError, numpy's or our ENOSPC
+            raise disk_full.export_full_error(base) from e
+        raise
+
+
+def _write_local(
+    base: str,
+    export: ExportedProgram,
+    names: list[str],
+    specs: Any,
+    signature: dict,
+    serving_input: Any,
+) -> str:
     if serving_input is not None:
         signature["tf_serving_input"] = dict(serving_input.description)
     temp, final, fd = export_temp.reserve(base)  # also removes dead exports' temp folders
@@ -285,7 +300,7 @@ def _write_remote(
     serving_input: Any,
 ) -> str:
     with tempfile.TemporaryDirectory(prefix="tpu_estimator_export_") as local_base:
-        local = write_export(local_base, export, names, specs, signature, serving_input)
+        local = _write_local(local_base, export, names, specs, signature, serving_input)
         stamp = int(os.path.basename(local))
         while storage.exists(storage.join(base, str(stamp))):
             stamp += 1  # another export took this second meanwhile

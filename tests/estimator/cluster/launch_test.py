@@ -43,3 +43,39 @@ def test_launcher_kills_the_rest_when_one_fails(tmp_path):
     start = time.monotonic()
     rc = launch.launch_local(2, ["-c", script], command=[sys.executable], grace=1, timeout=30)
     assert rc == 3 and time.monotonic() - start < 20
+
+
+_NOTICE = (
+    "[Gloo] Rank {} is connected to {} peer ranks. Expected number of connected peer ranks is : {}"
+)
+
+
+@pytest.mark.parametrize(
+    ("lines", "kept"),
+    [
+        ([_NOTICE.format(0, 1, 1) + "\n", "step 1\n"], ["step 1\n"]),
+        # Two threads' notices interleaved piece by piece, as a two-process run printed them.
+        (
+            [
+                _NOTICE.format(1, 1, 1)
+                + "[Gloo] Rank "
+                + _NOTICE.format(1, 1, 1)
+                + " is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n",
+                "\n",
+                "1\n",
+                _NOTICE.format(3, 7, "") + _NOTICE.format(2, 7, 7) + "\n",
+                "7\n",
+                "done\n",
+            ],
+            ["done\n"],
+        ),
+        # Anything else in a run of notices keeps the whole run.
+        (
+            ["\n", _NOTICE.format(0, 1, 1) + " and a user's words\n", "3\n"],
+            ["\n", _NOTICE.format(0, 1, 1) + " and a user's words\n", "3\n"],
+        ),
+        (["12\n", "\n"], ["12\n", "\n"]),
+    ],
+)
+def test_launcher_drops_gloo_connect_notices(lines, kept):
+    assert list(launch.quiet_gloo(lines)) == kept

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from estimator.io import checkpoint as ckpt_lib
@@ -134,3 +135,27 @@ def test_the_cli_finds_a_full_disk_before_jax(small_disk):
         "device); free space on its disk"
     )
     assert not (small_disk / "cli").exists()  # the directories it made are removed again
+
+
+def test_an_export_on_a_full_disk_names_the_export_and_keeps_the_earlier_one(small_disk, tmp_path):
+    """Issue 42: an export on a full disk raised TF's raw ``ResourceExhaustedError``."""
+    from estimator.io import export
+    from tests import helpers as h
+
+    x, y = h.make_data(n=32)
+    est = h.make_estimator(str(tmp_path / "run"), ipl=2)
+    est.train(h.train_input_fn(x, y), max_steps=2)
+    serving = export.build_raw_serving_input_receiver_fn({"x": x[:16]})
+    base = small_disk / "exports"
+    first = est.export_saved_model(str(base), serving)
+    before = export.load_saved_model(first)({"x": x[:16]})["logits"]
+    _fill(small_disk)
+    with pytest.raises(OSError) as raised:
+        est.export_saved_model(str(base), serving)
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(base)
+    message = str(raised.value)
+    assert f"the export into {base} could not be written" in message, message
+    assert "earlier exports are intact" in message
+    assert os.listdir(base) == [os.path.basename(first)]  # no half-written temp- folder
+    after = export.load_saved_model(first)({"x": x[:16]})["logits"]
+    np.testing.assert_array_equal(after, before)
