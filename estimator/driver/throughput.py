@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -93,13 +94,42 @@ def loop_flops(compiled: Any) -> float | None:
     return flops if flops > 0 else None
 
 
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
+_BODY = re.compile(r" while\(.*\bbody=%([\w.\-]+)")
+_MATH = (" dot(", " convolution(")
+
+
 def inner_loops(compiled: Any, *, unrolled: bool) -> int:
-    """How many ``while`` loops the program holds besides the train loop's own."""
+    """How many ``while`` loops doing matrix math the program holds besides the train loop.
+
+    Only loops whose body (or a computation it calls) holds a ``dot`` or ``convolution``
+    count: the random-bit generator's loops and the like add no model FLOPs.
+    """
     try:
         text = compiled.as_text()
     except Exception:  # noqa: BLE001
         return 0
-    return max(0, text.count(" while(") - (0 if unrolled else 1))
+    computations: dict[str, list[str]] = {}
+    lines: list[str] = []
+    for line in text.splitlines():
+        start = _COMPUTATION.match(line)
+        if start:
+            lines = computations.setdefault(start.group(1), [])
+        lines.append(line)
+    bodies = [m.group(1) for m in _BODY.finditer(text)]
+    math = sum(_does_math(b, computations, set()) for b in bodies)
+    return max(0, math - (0 if unrolled else 1))
+
+
+def _does_math(name: str, computations: dict[str, list[str]], seen: set[str]) -> bool:
+    if name in seen or name not in computations:
+        return False
+    seen.add(name)
+    body = "\n".join(computations[name])
+    if any(op in body for op in _MATH):
+        return True
+    called = re.findall(r"%([\w.\-]+)", body)
+    return any(_does_math(c, computations, seen) for c in called if c in computations)
 
 
 class ModelFlops:

@@ -289,3 +289,36 @@ def test_reporting_compiles_nothing_cached_path(tmp_path):
         got = _train_and_read(tmp_path, _mlp_model_fn, _mlp_input_fn, BATCH)
     assert counter.names.count("jit(loop)") == 1, counter.names
     assert got["perf/model_flops_per_step"]
+
+
+def _loop_with(inner):
+    """A rolled loop of ``inner(w, x, key)`` steps, compiled for 4 steps."""
+
+    def loop(w, xs, key):
+        def step(w, x):
+            return inner(w, x, key), None
+
+        return lax.scan(step, w, xs)[0]
+
+    w = jax.ShapeDtypeStruct((16, 16), jnp.float32)
+    xs = jax.ShapeDtypeStruct((4, 8, 16), jnp.float32)
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    return jax.jit(loop).lower(w, xs, key).compile()
+
+
+def _microbatched(w, x, key):
+    def micro(g, xm):
+        return g + jax.grad(lambda w: jnp.sum((xm @ w) ** 2))(w), None
+
+    return w - 0.1 * lax.scan(micro, jnp.zeros_like(w), x.reshape(2, 4, 16))[0]
+
+
+def _with_dropout(w, x, key):
+    keep = jax.random.bernoulli(jax.random.wrap_key_data(key), 0.9, x.shape)
+    return w - 0.1 * jax.grad(lambda w: jnp.sum((jnp.where(keep, x, 0) @ w) ** 2))(w)
+
+
+@pytest.mark.parametrize(("inner", "counted"), [(_microbatched, 1), (_with_dropout, 0)])
+def test_inner_loops_counts_loops_doing_matrix_math_only(inner, counted):
+    # The default job's step held 7 random-bit loops and logged "a lower bound" for them.
+    assert throughput.inner_loops(_loop_with(inner), unrolled=False) == counted
