@@ -27,6 +27,11 @@ per-repeat ratios):
   in a fresh process that reports device 0's ``peak_bytes_in_use`` (host RSS growth on CPU).
   With one device the three layouts are the same program: splitting needs replicas.
 
+Beside each training row: TFLOP/s per device and MFU, from the model FLOPs of one global step
+(XLA's cost analysis of the hand-written loop, the figure the estimator itself reports as
+``perf/model_flops_per_step``) and the device's peak (``driver/throughput.PEAK_TFLOPS``; no
+MFU where the peak is unknown, as on CPU).
+
 Every estimator and hand-written loop of the run compiles through one private persistent
 compilation cache (a temporary directory, removed at the end), so a program that several
 estimators run (the LM's init, its train loop) compiles once; nothing timed compiles either
@@ -59,7 +64,7 @@ import estimator
 from benchmarks import _common as C
 from benchmarks import _workloads as W
 from estimator import compilation
-from estimator.driver import progress
+from estimator.driver import progress, throughput
 from models import mlp, resnet, transformer
 
 LAYOUTS = {
@@ -241,6 +246,26 @@ def hand_written_train(kind: str, s: dict, mesh, x0: np.ndarray) -> tuple[Callab
     return jax.jit(sharded, donate_argnums=0), state
 
 
+def step_flops(loop: Callable, state: tuple, chunk: tuple, ipl: int) -> float | None:
+    """Model FLOPs of one global step: XLA's cost analysis of the hand-written loop (one
+    device's, a rolled loop counted once), as the estimator reads its own (``perf/``)."""
+    compiled = loop.lower(state, *chunk).compile()
+    flops = throughput.loop_flops(compiled)
+    if flops is None:
+        return None
+    unrolled = jax.default_backend() == "cpu"  # hand_written_train unrolls there
+    return flops * len(jax.devices()) / (ipl if unrolled else 1)
+
+
+def utilisation(flops: float | None, steps_per_s: float) -> dict:
+    """TFLOP/s per device and, where the device's peak is known, MFU."""
+    if flops is None:
+        return {}
+    per_device = flops * steps_per_s / len(jax.devices())
+    peak = throughput.peak_flops(jax.devices()[0].device_kind)
+    return {"tflops_per_device": per_device / 1e12, "mfu": per_device / peak if peak else None}
+
+
 def hand_written_eval(s: dict, mesh, params) -> Callable:
     """The LM's forward over ``[n, GB, T]`` chunks: per-replica loss and correct-token sums."""
     module = _module("lm", s)
@@ -318,11 +343,9 @@ def train_rows(kind: str, s: dict, calls: int, repeats: int, tmp: str) -> list[d
     mesh = W.make_mesh()
     x, y = resnet_data(s) if kind == "resnet" else lm_data(s)
     loop, state = hand_written_train(kind, s, mesh, x[0])
-    cases = {
-        "hand-written jit(scan)": hand_written_case(
-            loop, state, staged(x, y, s["ipl"], mesh), calls
-        )
-    }
+    chunk = staged(x, y, s["ipl"], mesh)
+    flops = step_flops(loop, state, chunk, s["ipl"])
+    cases = {"hand-written jit(scan)": hand_written_case(loop, state, chunk, calls)}
     if kind == "resnet":
         est = make_estimator(resnet.model_fn, resnet_params(s), s, f"{tmp}/resnet")
         cases["estimator"] = estimator_case(est, _cycle(x, y), s, calls)
@@ -341,12 +364,14 @@ def train_rows(kind: str, s: dict, calls: int, repeats: int, tmp: str) -> list[d
     base = times["hand-written jit(scan)"]
     rows = []
     for name, t in times.items():
+        steps_per_s = s["ipl"] / statistics.median(t)
         rows.append(
             {
                 "workload": "ResNet-50 train" if kind == "resnet" else "Transformer LM train",
                 "case": name,
-                "examples_per_s": s["batch"] * s["ipl"] / statistics.median(t),
+                "examples_per_s": s["batch"] * steps_per_s,
                 "vs_hand_written": C.median_ratio(base, t),
+                **utilisation(flops, steps_per_s),
             }
         )
     if kind == "lm":
@@ -452,6 +477,8 @@ COLUMNS = [
     ("case", "case"),
     ("examples_per_s", "examples/s"),
     ("vs_hand_written", "vs hand-written"),
+    ("tflops_per_device", "TFLOP/s/device"),
+    ("mfu", "MFU"),
     ("vs_estimator_without_host_call", "vs without host_call"),
     ("loop_peak_mib_per_device", "loop peak MiB/device"),
     ("loop_temporaries_mib_per_device", "loop temporaries MiB/device"),
@@ -492,6 +519,9 @@ def main(argv=None) -> str | None:
         f"{size['lm']['d_model']}, sequence {size['lm']['max_len']}, batch {size['lm']['batch']}; "
         f"{repeats} interleaved repeats of {size['calls']} loops each.",
         "Loop figures: XLA memory_analysis() of the compiled train loop, one device.",
+        "TFLOP/s and MFU: model FLOPs of one global step from XLA's cost analysis of the "
+        f"hand-written loop; peak of {jax.devices()[0].device_kind!r}: "
+        f"{throughput.peak_flops(jax.devices()[0].device_kind) or 'unknown'} FLOP/s.",
     ]
     text = C.report(
         "Accelerator: training, evaluation, host_call, memory",

@@ -50,7 +50,7 @@ _EXPORTS = {
     ".io.inference": ("rewrite_for_inference", "validate_inference_rewrite_for_variables"),
     ".io.lock": ("ModelDirInUseError",),
     ".io.variables": ("name_mask", "named_variables"),
-    ".moving_average": ("ExponentialMovingAverage",),
+    ".moving_average": ("ExponentialMovingAverage", "control_dependencies"),
     ".parallel.outside_compilation": ("outside_compilation",),
     ".parallel.replica_context": ("ReduceOp", "get_replica_context"),
     ".saver": ("Saver",),
@@ -59,7 +59,7 @@ _EXPORTS = {
     ".strategy.device_assignment": ("DeviceAssignment",),
     ".strategy.strategy": ("PerReplica", "TPUStrategy", "get_strategy"),
     ".tpu_estimator": ("TPUEstimator",),
-    ".trainable": ("trainable_variables",),
+    ".trainable": ("GraphKeys", "get_collection", "global_variables", "trainable_variables"),
     ".train_and_evaluate": ("EvalSpec", "TrainSpec", "train_and_evaluate"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
@@ -161,6 +161,7 @@ if TYPE_CHECKING:  # _EXPORTS spelled out for type checkers (``X as X``: re-expo
     from .io.variables import name_mask as name_mask
     from .io.variables import named_variables as named_variables
     from .moving_average import ExponentialMovingAverage as ExponentialMovingAverage
+    from .moving_average import control_dependencies as control_dependencies
     from .parallel.outside_compilation import outside_compilation as outside_compilation
     from .parallel.replica_context import ReduceOp as ReduceOp
     from .parallel.replica_context import get_replica_context as get_replica_context
@@ -179,4 +180,7 @@ if TYPE_CHECKING:  # _EXPORTS spelled out for type checkers (``X as X``: re-expo
     from .train_and_evaluate import EvalSpec as EvalSpec
     from .train_and_evaluate import TrainSpec as TrainSpec
     from .train_and_evaluate import train_and_evaluate as train_and_evaluate
+    from .trainable import GraphKeys as GraphKeys
+    from .trainable import get_collection as get_collection
+    from .trainable import global_variables as global_variables
     from .trainable import trainable_variables as trainable_variables

@@ -11,6 +11,21 @@ and resumed with it and, under ``TPUConfig(shard_optimizer_state=True)``, split 
 replicas like Adam's slots. Checkpoints name it as TF did, ``<variable>/ExponentialMovingAverage``
 (``estimator.list_variables``, ``estimator.load_variable``, ``est.get_variable_value``).
 
+TF's form, EfficientNet's and MnasNet's, averages chosen variables, BatchNorm's moving
+statistics included, after the optimizer; it reads the same here:
+
+    ema = estimator.ExponentialMovingAverage(decay, num_updates=global_step)
+    ema_vars = estimator.trainable_variables() + estimator.get_collection("moving_vars")
+    train_op = optimizer                        # optimizer.minimize(loss, global_step)
+    with estimator.control_dependencies([train_op]):
+        train_op = ema.apply(ema_vars)
+
+``ema.apply(var_list)`` inside ``control_dependencies([tx])`` returns ``tx`` with the
+averages of ``var_list`` in its state: the parameters' taken in its update, the statistics'
+(``batch_stats/BatchNorm_0/mean``, TF's ``moving_mean``) right after it in the same step
+(``engine/averages.py``). JAX orders work by data, not by control edges, so the control
+input is how the TF program names the optimizer the averages follow.
+
 Two ways to evaluate, predict and export with the averaged weights:
 
 * ported code: ``scaffold_fn=lambda: estimator.Scaffold(saver=estimator.Saver(
@@ -28,16 +43,18 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import numbers
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from . import context
-from .engine import multi_loss
+from . import context, trainable
+from .engine import averages, multi_loss
 from .errors import EstimatorTypeError, EstimatorValueError
 from .io import variables as variables_lib
 
@@ -138,6 +155,7 @@ class ExponentialMovingAverage:
         self.name = name
         self.use_for_eval = use_for_eval
         self._names: list[str] | None = None  # the averaged params, once init has run
+        self._stat_names: list[str] = []  # the statistics ema.apply(var_list) averages
         # made inside model_fn: that call's notes name its variables once it has returned
         ctx = context.current()
         self._call_notes = ctx.notes if ctx is not None else None
@@ -153,18 +171,36 @@ class ExponentialMovingAverage:
         )
         return jnp.minimum(jnp.float32(self.decay), (1.0 + n) / (10.0 + n))
 
-    def apply(self, tx: optax.GradientTransformation) -> optax.GradientTransformation:
-        """``tx`` whose state also keeps the moving average of the parameters it updates.
+    def apply(self, var_list: Any = None) -> optax.GradientTransformation:
+        """The train_op that also keeps moving averages.
+
+        Two forms:
+
+        - ``ema.apply(tx)``, ``tx`` an optax transformation: ``tx`` whose state also keeps the
+          moving average of every parameter it updates.
+        - ``ema.apply(var_list)`` (TF's form) inside model_fn, within
+          ``with estimator.control_dependencies([tx]):``: ``tx`` whose state keeps the
+          averages of the variables in ``var_list`` (``trainable_variables()`` entries,
+          ``global_variables()`` / ``get_collection("moving_vars")`` ones for BatchNorm's
+          statistics, or names); None means every trainable variable, as in TF.
 
         Raises:
-          TypeError: ``tx`` is not an optax GradientTransformation.
+          TypeError: neither a transformation nor a list of variables.
+          ValueError: ``var_list`` outside ``control_dependencies([tx])`` (or with several
+            transformations there), outside model_fn, or naming no variable of the model.
         """
-        if not (hasattr(tx, "init") and hasattr(tx, "update")):
-            raise EstimatorTypeError(
-                f"ExponentialMovingAverage.apply takes an optax GradientTransformation, got "
-                f"{type(tx).__name__}"
-            )
+        if hasattr(var_list, "init") and hasattr(var_list, "update"):
+            return self._apply_optimizer(var_list)
+        if var_list is None or (
+            isinstance(var_list, Iterable) and not isinstance(var_list, (str, bytes, Mapping))
+        ):
+            return self._apply_variables(var_list)
+        raise EstimatorTypeError(
+            "ExponentialMovingAverage.apply takes an optax GradientTransformation or a list of "
+            f"variables, got {type(var_list).__name__}"
+        )
 
+    def _apply_optimizer(self, tx: optax.GradientTransformation) -> optax.GradientTransformation:
         def init(params):
             if hasattr(params, "keys") or isinstance(params, (list, tuple)):
                 self._names = list(variables_lib.named_variables(params))
@@ -176,15 +212,7 @@ class ExponentialMovingAverage:
             )
 
         def update(updates, state, params=None, **extra):
-            if params is None:
-                raise EstimatorValueError(
-                    "ExponentialMovingAverage.apply(tx).update needs params (the estimator "
-                    "passes them; call tx.update(grads, state, params))"
-                )
-            if not isinstance(state, MovingAverageState):
-                raise EstimatorTypeError(
-                    f"expected a MovingAverageState, got {type(state).__name__}"
-                )
+            _check_update(state, params, MovingAverageState)
             inner = optax.with_extra_args_support(tx)
             updates, inner_state = inner.update(updates, state.inner_state, params, **extra)
             count = state.num_updates + 1
@@ -204,6 +232,59 @@ class ExponentialMovingAverage:
         # a TrainOp (estimator.group) keeps its losses: TF's ema.apply after tf.group(...)
         return multi_loss.with_terms(tx, optax.GradientTransformationExtraArgs(init, update))
 
+    def _apply_variables(self, var_list: Any) -> optax.GradientTransformation:
+        """TF's ``ema.apply(var_list)`` after ``control_dependencies([tx])``: ``tx`` whose
+        state (``averages.VariablesAverageState``) keeps the averages of ``var_list``."""
+        tx = _control_optimizer()
+        param_names, stats = _chosen(var_list)
+        collections = sorted({n.split("/", 1)[0] for n in stats})
+        # TF's initial values (a BatchNorm's variance starts at 1); the first update starts
+        # each statistic's average from its value before it (averages.average_collections)
+        fills = {
+            n: (tuple(v.shape), v.dtype, float("moving_variance" in v.name))
+            for n, v in stats.items()
+        }
+        self._stat_names = list(stats)
+
+        def init(params):
+            named = variables_lib.named_variables(params)
+            clash = sorted({n.split("/", 1)[0] for n in named} & set(collections))
+            if clash:
+                raise EstimatorValueError(
+                    f"ema.apply(var_list): a module is named like the collection {clash[0]!r}; "
+                    "rename it (the averages of both are named by those names)"
+                )
+            if hasattr(params, "keys") or isinstance(params, (list, tuple)):  # not optax's
+                self._names = list(named)  # placeholder (zero.optimizer_specs)
+            shadow = {n: _copy(x) for n, x in named.items() if n in param_names}
+            shadow.update({n: jnp.full(s, fill, d) for n, (s, d, fill) in fills.items()})
+            return averages.VariablesAverageState(
+                inner_state=tx.init(params),
+                num_updates=jnp.zeros((), jnp.int32),
+                use_for_eval=jnp.asarray(int(self.use_for_eval), jnp.int32),
+                decay=jnp.zeros((), jnp.float32),
+                ExponentialMovingAverage=averages.nest(shadow),
+            )
+
+        def update(updates, state, params=None, **extra):
+            _check_update(state, params, averages.VariablesAverageState)
+            inner = optax.with_extra_args_support(tx)
+            updates, inner_state = inner.update(updates, state.inner_state, params, **extra)
+            count = state.num_updates + 1
+            decay = self.decay_at(count)
+            new = variables_lib.named_variables(optax.apply_updates(params, updates))
+            shadow = dict(state.ExponentialMovingAverage)
+            kept = {c: shadow.pop(c) for c in collections if c in shadow}  # after the step
+            averaged = {
+                n: averages.blend(decay, s, new[n])
+                for n, s in variables_lib.named_variables(shadow).items()
+            }
+            flag = jnp.asarray(int(self.use_for_eval), jnp.int32)
+            shadow = {**averages.nest(averaged), **kept}
+            return updates, averages.VariablesAverageState(inner_state, count, flag, decay, shadow)
+
+        return multi_loss.with_terms(tx, optax.GradientTransformationExtraArgs(init, update))
+
     def average_name(self, var: Any) -> str:
         """``"<name>/ExponentialMovingAverage"`` for a variable name (TF's ``average_name``)."""
         return f"{_var_name(var)}/{NAME}"
@@ -216,10 +297,11 @@ class ExponentialMovingAverage:
 
         Args:
           moving_avg_variables: the averaged variables: a params pytree, a ``{name: value}``
-            dict, or a list of names. None: TF's ``tf.trainable_variables()``: inside
-            model_fn, the model's ``params``; elsewhere (scaffold_fn), those of the model_fn
-            call this EMA was made in, else the params it was applied to, else those of the
-            model_fn traced last.
+            dict, or a list of names (``ema_vars``). None: TF's ``tf.trainable_variables()``
+            plus the variables ``apply(var_list)`` averaged (TF's moving-average variables):
+            inside model_fn, the model's ``params``; elsewhere (scaffold_fn), those of the
+            model_fn call this EMA was made in, else the params it was applied to, else those
+            of the model_fn traced last.
 
         Raises:
           ValueError: None, before any model_fn was traced and the EMA applied.
@@ -238,7 +320,19 @@ class ExponentialMovingAverage:
                 "ExponentialMovingAverage.variables_to_restore() needs the averaged variables: "
                 "call it inside model_fn, or pass them (a params tree or a list of names)"
             )
+        if moving_avg_variables is None:
+            names = [*names, *(n for n in self._stat_names if n not in names)]
         return {self.average_name(n): n for n in names}
+
+
+def _check_update(state: Any, params: Any, kind: type) -> None:
+    if params is None:
+        raise EstimatorValueError(
+            "ExponentialMovingAverage.apply(tx).update needs params (the estimator "
+            "passes them; call tx.update(grads, state, params))"
+        )
+    if not isinstance(state, kind):
+        raise EstimatorTypeError(f"expected a {kind.__name__}, got {type(state).__name__}")
 
 
 def _var_name(var: Any) -> str:
@@ -273,4 +367,85 @@ def _model_param_names() -> list[str] | None:
     return list(variables_lib.named_variables(jax.tree.map(lambda x: x, dict(params))))
 
 
-__all__ = ["ExponentialMovingAverage", "MovingAverageState"]
+# ------------------------------------------------------------------ TF's control-dependency form
+_CONTROL: contextvars.ContextVar[tuple] = contextvars.ContextVar("control_inputs", default=())
+
+
+def _is_transformation(x: Any) -> bool:
+    return hasattr(x, "init") and hasattr(x, "update")
+
+
+@contextlib.contextmanager
+def control_dependencies(control_inputs: Any) -> Iterator[None]:
+    """TF's ``tf.control_dependencies`` inside model_fn: what the block runs after.
+
+    JAX orders computations by their data, so most control inputs have nothing to order: a
+    train step already applies BatchNorm's updates (TF's ``UPDATE_OPS``) before the
+    optimizer, and arrays are ignored. The one that matters is an optimizer (an optax
+    transformation, ``estimator.group(...)``): ``ema.apply(var_list)`` inside the block
+    returns it with the moving averages taken after its update, TF's EMA form::
+
+        with estimator.control_dependencies([train_op]):
+            train_op = ema.apply(ema_vars)
+
+    Args:
+      control_inputs: a list of train_ops, arrays or anything TF took; None clears the
+        enclosing blocks' inputs, as in TF.
+
+    Example:
+      >>> with estimator.control_dependencies(estimator.get_collection("update_ops")):
+      ...     train_op = optimizer  # TF: optimizer.minimize(loss, global_step)
+    """
+    if control_inputs is None:
+        inputs: tuple = ()
+    elif _is_transformation(control_inputs):
+        inputs = (*_CONTROL.get(), control_inputs)
+    else:
+        inputs = (*_CONTROL.get(), *control_inputs)
+    token = _CONTROL.set(inputs)
+    try:
+        yield
+    finally:
+        _CONTROL.reset(token)
+
+
+def _control_optimizer() -> optax.GradientTransformation:
+    """The optimizer ``ema.apply(var_list)`` follows: the one transformation among the
+    control inputs of the enclosing ``control_dependencies`` blocks."""
+    found = [x for x in _CONTROL.get() if _is_transformation(x)]
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise EstimatorValueError(
+            "ExponentialMovingAverage.apply(var_list) averages the variables after the "
+            "optimizer's update: call it as TF did, inside `with estimator.control_dependencies("
+            "[train_op]):` where train_op is the optax optimizer, or wrap the optimizer "
+            "itself: train_op = ema.apply(optimizer)"
+        )
+    raise EstimatorValueError(
+        f"ExponentialMovingAverage.apply(var_list): control_dependencies holds {len(found)} "
+        "optimizers; the averages follow one train_op (join several with estimator.group)"
+    )
+
+
+def _chosen(var_list: Any) -> tuple[set[str], dict[str, trainable.Variable]]:
+    """``var_list`` resolved in the running model_fn: (the chosen parameters' names, the
+    chosen non-parameter variables by name). None: every trainable variable (TF)."""
+    if context.current() is None or context.current_root_module() is None:
+        raise EstimatorValueError(
+            "ExponentialMovingAverage.apply(var_list) must be called inside model_fn (the "
+            "variables are the model's); outside it, use ema.apply(optimizer)"
+        )
+    every = {_var_name(v): v for v in trainable.global_variables()}
+    params = {_var_name(v) for v in trainable.trainable_variables()}
+    wanted = params if var_list is None else {_var_name(v) for v in var_list}
+    unknown = sorted(wanted - set(every))
+    if unknown:
+        raise EstimatorValueError(
+            f"ema.apply(var_list): the model has no variable named {unknown[0]!r} (its "
+            f"variables: {', '.join(sorted(every)[:8])}{', ...' if len(every) > 8 else ''})"
+        )
+    return wanted & params, {n: every[n] for n in sorted(wanted - params)}
+
+
+__all__ = ["ExponentialMovingAverage", "MovingAverageState", "control_dependencies"]

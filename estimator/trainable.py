@@ -18,7 +18,11 @@ the modules model_fn has built so far, each as a ``Variable``:
 - A Variable is a pytree node over its array, so ``jax.tree.leaves(tvars)`` gives the arrays
   (``optax.tree.norm(tvars)`` works).
 
-Batch-norm statistics and other collections are not trainable (as in TF).
+Batch-norm statistics and other collections are not trainable (as in TF);
+``global_variables()`` lists them after the trainable ones, as ``batch_stats/BatchNorm_0/mean:0``
+answering ``in`` for TF's ``moving_mean`` / ``moving_variance``, and ``get_collection`` answers
+the collections TF programs read in model_fn (``"moving_vars"``, ``GraphKeys.UPDATE_OPS``):
+EfficientNet's ``get_ema_vars()`` reads unchanged (``ExponentialMovingAverage.apply``).
 
 Example:
   >>> def model_fn(features, labels, mode, params):
@@ -38,7 +42,7 @@ import flax.linen as nn
 import jax
 
 from . import context
-from .errors import EstimatorRuntimeError
+from .errors import EstimatorRuntimeError, EstimatorValueError
 from .io.variables import named_variables
 
 
@@ -202,4 +206,91 @@ def _tf_aliases(name: str, batch_norms: set[str]) -> tuple[str, ...]:
     return ("batch_normalization", *filter(None, [_TF_BATCH_NORM_LEAVES.get(leaf)]))
 
 
-__all__ = ["Variable", "VariableName", "trainable_variables"]
+# ------------------------------------------------------------------ every variable: TF's names
+# TF's batch normalization named its statistics ``moving_mean`` and ``moving_variance``.
+_TF_BATCH_NORM_STATS = {"mean": "moving_mean", "var": "moving_variance"}
+
+
+def global_variables(scope: str | None = None) -> list[Variable]:
+    """Every variable model_fn has created so far (TF's ``tf.global_variables()``): the
+    trainable ones, then every other collection's (BatchNorm's statistics), each in name
+    order. Others are named with their collection in front, ``batch_stats/BatchNorm_0/mean:0``
+    (the checkpoint's name); a batch norm's statistics also answer ``in`` for TF's names
+    ``moving_mean`` / ``moving_variance`` (and ``batch_normalization``), so EfficientNet's
+    ``'moving_mean' in v.name or 'moving_variance' in v.name`` picks them. The optimizer's
+    slots and the global step are not variables of model_fn here (the estimator keeps them).
+
+    Args:
+      scope: TF's filter, matched at the start of the name (after the collection).
+
+    Raises:
+      RuntimeError: outside a model_fn called by the estimator.
+
+    Example:
+      >>> stats = [v for v in estimator.global_variables() if "moving_mean" in v.name]
+    """
+    out = trainable_variables(scope)
+    root = context.current_root_module()
+    batch_norms = _batch_norm_paths(root)
+    for collection in sorted(c for c in root.variables if c != "params"):
+        tree = nn.meta.unbox(root.variables[collection])
+        for name, value in sorted(named_variables(tree).items()):
+            if scope is not None and not re.match(scope, name):
+                continue
+            module, _, leaf = name.rpartition("/")
+            stat = _TF_BATCH_NORM_STATS.get(leaf) if module in batch_norms else None
+            aliases = ("batch_normalization", stat) if stat else ()
+            out.append(Variable(VariableName(f"{collection}/{name}:0", aliases), value))
+    return out
+
+
+class GraphKeys:
+    """The names of TF's graph collections that ``get_collection`` answers."""
+
+    GLOBAL_VARIABLES = "variables"
+    TRAINABLE_VARIABLES = "trainable_variables"
+    UPDATE_OPS = "update_ops"
+    MOVING_VARS = "moving_vars"  # TF-slim's BatchNorm statistics (EfficientNet's get_ema_vars)
+
+
+def get_collection(key: str, scope: str | None = None) -> list:
+    """TF's ``tf.get_collection(key, scope)`` inside model_fn, for the collections TF
+    programs read there.
+
+    - ``GraphKeys.TRAINABLE_VARIABLES`` / ``GLOBAL_VARIABLES``: ``trainable_variables(scope)`` /
+      ``global_variables(scope)``.
+    - ``"moving_vars"`` (TF-slim's): BatchNorm's moving statistics, as ``global_variables``
+      names them.
+    - ``GraphKeys.UPDATE_OPS``: ``[]``: the train step applies BatchNorm's updates itself,
+      before the optimizer (so ``with control_dependencies(update_ops):`` orders nothing).
+
+    Raises:
+      ValueError: another collection (this estimator keeps no graph collections).
+
+    Example:
+      >>> ema_vars = estimator.trainable_variables() + estimator.get_collection("moving_vars")
+    """
+    if key == GraphKeys.TRAINABLE_VARIABLES:
+        return trainable_variables(scope)
+    if key == GraphKeys.GLOBAL_VARIABLES:
+        return global_variables(scope)
+    if key == GraphKeys.MOVING_VARS:
+        stats = ("moving_mean", "moving_variance")
+        return [v for v in global_variables(scope) if any(s in v.name for s in stats)]
+    if key == GraphKeys.UPDATE_OPS:
+        return []
+    raise EstimatorValueError(
+        f"estimator.get_collection({key!r}): there are no graph collections here; the ones "
+        "TF programs read map as: trainable_variables, variables (global_variables), "
+        "moving_vars (BatchNorm statistics) and update_ops (empty: the train step applies them)"
+    )
+
+
+__all__ = [
+    "GraphKeys",
+    "Variable",
+    "VariableName",
+    "get_collection",
+    "global_variables",
+    "trainable_variables",
+]

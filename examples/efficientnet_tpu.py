@@ -8,10 +8,12 @@ ImageNet TFRecords became scikit-learn's 8x8 digits (no download), the network i
 MBConv blocks instead of efficientnet_builder's, and ``utils.archive_ckpt`` (which copies
 ``model.ckpt-N.*`` files, and so would archive nothing from checkpoint *directories*)
 became a ``BestExporter``: the best evaluation's model is exported to
-``model_dir/export/best/<version>/``. The moving-average evaluation (``Saver(ema_vars)`` in
-the eval scaffold) is left out until ``estimator.ExponentialMovingAverage`` lands; the
-``Scaffold(saver=Saver(var_list))`` it uses is ``estimator/saver.py``. ``--init_checkpoint``
-is BERT's TPU warm start (``scaffold_fn`` calling ``init_from_checkpoint``), added to show it.
+``model_dir/export/best/<version>/``. The moving averages read as the reference's: ``utils.
+get_ema_vars()`` (trainable variables and BatchNorm's ``moving_mean``/``moving_variance``),
+``with control_dependencies([train_op]): train_op = ema.apply(ema_vars)`` and, for
+evaluation, ``Scaffold(saver=Saver(ema.variables_to_restore(ema_vars)))``; only the
+namespace changed. ``--init_checkpoint`` is BERT's TPU warm start (``scaffold_fn`` calling
+``init_from_checkpoint``), added to show it.
 
 Run it:
   python -m examples.efficientnet_tpu --model_dir=/tmp/effnet --train_steps=200
@@ -52,6 +54,7 @@ flags.DEFINE_integer("num_label_classes", 10, "Number of classes.")  # changed: 
 flags.DEFINE_float("base_learning_rate", 0.016, "Base learning rate at batch size 256.")
 flags.DEFINE_float("weight_decay", 1e-5, "Weight decay coefficient for l2 regularization.")
 flags.DEFINE_float("label_smoothing", 0.1, "Label smoothing parameter used in the softmax.")
+flags.DEFINE_float("moving_average_decay", 0.9999, "Moving average decay rate.")
 flags.DEFINE_bool("use_tpu", True, "Replicate over every device rather than use one.")
 flags.DEFINE_bool("export_to_tpu", False, "Export a TPU SavedModel (TF-only; warned).")
 flags.DEFINE_bool("skip_host_call", False, "Skip the host_call's summaries.")
@@ -93,6 +96,18 @@ def build_model(images, training, num_classes):  # changed: efficientnet_builder
     x = MBConvBlock(24, training=training, name="blocks_1")(x)
     x = nn.swish(nn.BatchNorm(name="batch_normalization_1", **bn)(nn.Conv(64, (1, 1))(x)))
     return nn.Dense(num_classes, name="head_dense")(jnp.mean(x, axis=(1, 2))), None
+
+
+def get_ema_vars():  # utils.get_ema_vars
+    """Get all exponential moving average (ema) variables."""
+    ema_vars = estimator_lib.trainable_variables() + estimator_lib.get_collection(  # changed: ns
+        "moving_vars"
+    )
+    for v in estimator_lib.global_variables():  # changed: namespace
+        # We maintain mva for batch norm moving mean and variance as well.
+        if "moving_mean" in v.name or "moving_variance" in v.name:
+            ema_vars.append(v)
+    return list(set(ema_vars))
 
 
 def build_learning_rate(
@@ -144,8 +159,15 @@ def model_fn(features, labels, mode, params):
     )
 
     global_step = estimator_lib.get_or_create_global_step()  # changed: namespace
+    has_moving_average_decay = FLAGS.moving_average_decay > 0
+    if has_moving_average_decay:
+        ema = estimator_lib.ExponentialMovingAverage(  # changed: namespace
+            decay=FLAGS.moving_average_decay, num_updates=global_step
+        )
+        ema_vars = get_ema_vars()
 
     host_call = None
+    restore_vars_dict = None
     train_op = None
     if is_training:
         # Compute the current epoch and associated learning rate from global_step.
@@ -160,7 +182,18 @@ def model_fn(features, labels, mode, params):
         )
         if FLAGS.use_tpu:
             optimizer = estimator_lib.CrossShardOptimizer(optimizer)  # changed: namespace
-        train_op = optimizer  # changed: the estimator differentiates loss; no UPDATE_OPS
+
+        # Batch normalization requires UPDATE_OPS to be added as a dependency to
+        # the train operation.
+        update_ops = estimator_lib.get_collection(  # changed: namespace
+            estimator_lib.GraphKeys.UPDATE_OPS
+        )
+        with estimator_lib.control_dependencies(update_ops):  # changed: namespace
+            train_op = optimizer  # changed: minimize -> optax: the estimator differentiates loss
+
+        if has_moving_average_decay:
+            with estimator_lib.control_dependencies([train_op]):  # changed: namespace
+                train_op = ema.apply(ema_vars)
 
         if not FLAGS.skip_host_call:
 
@@ -178,6 +211,11 @@ def model_fn(features, labels, mode, params):
             lr_t = jnp.reshape(learning_rate, [1])  # changed: tf.reshape -> jnp
             ce_t = jnp.reshape(current_epoch, [1])  # changed: tf.reshape -> jnp
             host_call = (host_call_fn, [gs_t, lr_t, ce_t])
+    else:
+        train_op = None
+        if has_moving_average_decay:
+            # Load moving average variables for eval.
+            restore_vars_dict = ema.variables_to_restore(ema_vars)
 
     eval_metrics = None
     if mode == estimator_lib.ModeKeys.EVAL:  # changed: namespace
@@ -191,8 +229,17 @@ def model_fn(features, labels, mode, params):
 
         eval_metrics = (metric_fn, [labels, logits])
 
-    scaffold_fn = None
-    if FLAGS.init_checkpoint:  # added: BERT's TPU warm start, as run_classifier writes it
+    def _scaffold_fn():
+        saver = estimator_lib.Saver(restore_vars_dict)  # changed: namespace
+        return estimator_lib.Scaffold(saver=saver)  # changed: namespace
+
+    if has_moving_average_decay and not is_training:
+        # Only apply scaffold for eval jobs.
+        scaffold_fn = _scaffold_fn
+    else:
+        scaffold_fn = None
+
+    if FLAGS.init_checkpoint and is_training:  # added: BERT's TPU warm start (run_classifier)
 
         def tpu_scaffold():
             estimator_lib.init_from_checkpoint(FLAGS.init_checkpoint, {"/": "/"})

@@ -103,8 +103,10 @@ class DeviceLoops:
             batch,
             self.checkpoint_path,
             saver_sources=saver_sources,
+            # Read by every call: one copy on CPU devices. Kept for the next evaluate or
+            # predict of the same checkpoint, which then reads and places nothing.
+            place=one_copy_on_cpu,
         )
-        variables = one_copy_on_cpu(variables)  # read by every call: one copy on CPU devices
         loop = job.programs.infer(mode, batch)
         spec = job.programs.spec(mode)
         if mode == ModeKeys.PREDICT:

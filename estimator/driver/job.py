@@ -12,6 +12,7 @@ from .. import storage
 from ..config import RunConfig
 from ..data.feeder import Feeder
 from ..engine.model import ModelFn
+from ..engine.options import StepOptions
 from ..engine.programs import Programs
 from ..io.store import StateStore
 
@@ -41,6 +42,12 @@ class Job:
     @property
     def model_dir(self) -> str:
         return self.config.model_dir
+
+    @property
+    def options(self) -> StepOptions:
+        """The train step's options, resolved once from the config and the mesh
+        (``Programs.options``, ``engine/options.py``): read them here, never from the config."""
+        return self.programs.options
 
     @property
     def num_replicas(self) -> int:

@@ -18,6 +18,7 @@ import hooks as hooks_lib
 
 from ..compilation import CompileCounter
 from ..config import RunConfig
+from ..engine.options import StepOptions
 from ..io import variables as variables_lib
 from ..io.variables import PARAMS
 from ..parallel import zero
@@ -115,12 +116,12 @@ class StartupSummaryHook(hooks_lib.SessionRunHook):
                 log.debug("Train loop memory per device: %s", line)
 
 
-def _trainer_features(tpu_config: Any, replica_batch: int) -> str:
-    """The mixed-precision and micro-batch settings, where set, for the start-up line."""
+def _trainer_features(options: StepOptions, replica_batch: int) -> str:
+    """The mixed-precision and micro-batch options, where set, for the start-up line."""
     out = ""
-    if tpu_config.compute_dtype is not None:
-        out += f"; compute_dtype {tpu_config.compute_dtype} (float32 weights)"
-    k = tpu_config.num_microbatches
+    if options.policy.compute_dtype is not None:
+        out += f"; compute_dtype {options.policy.compute_dtype} (float32 weights)"
+    k = options.num_microbatches
     if k > 1:
         out += f"; num_microbatches {k} ({replica_batch // k} rows each)"
     return out
@@ -130,6 +131,7 @@ def log_startup_summary(
     mesh: Mesh,
     config: RunConfig,
     *,
+    options: StepOptions,
     global_batch: int,
     replica_batch: int,
     params: Any,
@@ -142,8 +144,9 @@ def log_startup_summary(
 ) -> None:
     """One block: devices, mesh, batch sizes, parameter count, the bytes one device holds of
     the parameters and of the optimizer state, the loop length (``loop_note`` when "auto"
-    chose it) and the time to the first step; then the parameter table (``parameter_table``)
-    of ``params`` and the other collections ``state``."""
+    chose it), the step's compute dtype and micro-batches where set (``options``) and the
+    time to the first step; then the parameter table (``parameter_table``) of ``params`` and
+    the other collections ``state``."""
     devices = mesh.devices.reshape(-1)
     kinds = sorted({d.device_kind for d in devices})
     log.info(
@@ -162,7 +165,7 @@ def log_startup_summary(
         format_bytes(zero.bytes_per_device(params)),
         format_bytes(zero.bytes_per_device(opt_state)),
         loop_note or config.tpu_config.iterations_per_loop,
-        _trainer_features(config.tpu_config, replica_batch),
+        _trainer_features(options, replica_batch),
         start_step,
         "" if target is None else f" to step {target}",
         first_step_secs,

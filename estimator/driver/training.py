@@ -9,15 +9,16 @@ One iteration (a loop of ``iterations_per_loop`` steps): hooks' before_run -> th
 compiled calls back to back (one, or several when its input exceeds
 ``max_staged_input_bytes``; ``dispatch``) -> its per-step outputs on the host -> host_call
 and summaries on the host thread -> hooks' after_run (the NaN check among them) -> maybe
-checkpoint. The next call's input is already on the devices.
+checkpoint. The next call's input is already on the devices. Each loop is given a
+``Trained`` (the step, the state, the input position) and returns the next one, which is
+what the checkpointer is given to save.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -27,13 +28,11 @@ import hooks as hooks_lib
 from .. import summary
 from ..cluster import progress as cluster_progress
 from ..config import RunConfig
-from ..data.inputs import Chunk
-from ..engine import precision
 from ..engine.loops import TrainState
+from ..engine.options import StepOptions
 from ..engine.state import fresh_train_state
 from ..errors import EstimatorTypeError, EstimatorValueError
 from ..io import disk_full, lease
-from ..io.input_position import resume_pulls
 from ..io.lock import TrainerLock
 from ..io.restore import restore_train_state
 from ..io.store import LastState
@@ -47,27 +46,29 @@ from . import (
     goodput_record,
     hparams,
     nonfinite,
-    preemption,
     progress,
     throughput,
 )
 from .budget import StepBudget, log_end, planned_last_steps
-from .checkpointer import Checkpointer, save_then_drain, wait_committed
+from .checkpointer import Checkpointer, Position, Trained, save_then_drain, wait_committed
 from .hook_runner import HookRunner, Session
 from .host import HOST_CALL_QUEUE_LOOPS, HostWorker, run_host_calls
 from .job import EndReason, Job, TrainOutcome
 from .preemption import StopSignals
 from .train_hooks import HyperparamSummaryHook, LossLoggingHook, NanLossHook, TrainSummaryHook
+from .train_input import TrainInput
 
 log = logging.getLogger("estimator")
 
 
-@dataclasses.dataclass
-class _Position:
-    """Where the training input stands: batches consumed, and the iterator's own state."""
+class Attached(NamedTuple):
+    """What the loop reports to and checkpoints through, made together once the state is
+    restored (``TrainRun._attach``)."""
 
-    input_pulls: int = 0
-    input_state: Any = None
+    runner: HookRunner
+    saver: Checkpointer
+    session: Session  # what hooks and listeners see; its ``save`` is ``TrainRun._save``
+    writer: Any  # the model_dir's summary writer
 
 
 def run_train_loops(
@@ -94,28 +95,26 @@ def run_train_loops(
 class TrainRun:
     """One ``train`` call: open input -> restore -> hooks -> loop -> finish.
 
-    It owns the call's mutable state: the ``TrainState`` (donated to each loop and replaced
-    by its result), the input position, the step budget and the step reached.
+    What the call asked for is set once. What changes is ``trained`` (the step reached, the
+    ``TrainState`` and the input position): each loop is given it, the state donated, and
+    returns the next one. The step ``budget`` is set where the call starts (``_start_at``);
+    the hook runner, checkpointer, session and writer are ``attached`` together.
     """
 
     def __init__(
         self, job: Job, input_fn, *, hooks, steps, max_steps, warm_start_from, saving_listeners
     ):
-        self.job, self.input_fn = job, input_fn
+        self.job = job
         self.user_hooks = list(hooks or ())
         self.steps, self.max_steps = steps, max_steps
         self.warm_start_from = warm_start_from
         self.listeners = _checked_listeners(saving_listeners)  # checked before any work
-        self.state: TrainState | None = None
-        self.position = _Position()
+        self.input = TrainInput(job, input_fn)
+        self.trained = Trained(0, None, Position())
         self.budget: StepBudget | None = None
-        self.step = 0
-        self.losses: np.ndarray | None = None  # the last loop's
-        self.pipe = self.prefetch = None
-        self.first: Chunk | None = None  # handed to the loop once, then not held
-        self.model_batch = 0  # rows model_fn sees per replica
+        self.attached: Attached | None = None
         self.startup: progress.Startup | None = None
-        self.writer = self.saver = self.session = None  # made with the hooks
+        self.goodput: goodput.Goodput | None = None
 
     # ------------------------------------------------------------------ the call
     def run(self) -> TrainOutcome:
@@ -133,22 +132,22 @@ class TrainRun:
         finally:
             self.startup.close()
             lock.release()
-            goodput_record.write(self.goodput, self.step)  # the next run counts what is lost
+            goodput_record.write(self.goodput, self.trained.step)  # the next run counts losses
 
     def _run_locked(self) -> TrainOutcome:
         with goodput.phase("checkpoint"):
-            latest = self._latest()
-        start = latest[0] if latest else 0
-        self.budget = self._budget(start)
+            meta = self._latest()
+        self._start_at(meta)
+        start = self.trained.step
         if self.budget.reached(start):
             outcome = TrainOutcome(start, EndReason.ALREADY_DONE)
             log_end(outcome, self.budget)
             return outcome
         with StopSignals() as signals:
             try:
-                outcome = self._train(latest, signals)
+                outcome = self._train(meta, signals)
             finally:
-                self._close_input()
+                self.input.close()
         if signals.requested:  # SIGTERM or Ctrl-C: the checkpoint of the step is committed
             outcome = outcome._replace(reason=EndReason.SIGNAL)
         log_end(outcome, self.budget, signal=signals.reason)
@@ -158,37 +157,45 @@ class TrainRun:
             raise signals.stop_error(outcome.step, path).with_traceback(None) from None
         return outcome
 
-    def _train(self, latest, signals: StopSignals) -> TrainOutcome:
-        meta = latest[1] if latest else {}
-        if not (self.open_input(meta) and self.restore(meta)):
+    def _train(self, meta: dict, signals: StopSignals) -> TrainOutcome:
+        if not (self.input.open(meta, self.budget.next_loop) and self.restore(meta)):
             reason = EndReason.SIGNAL if signals.requested else EndReason.INPUT_END
-            return TrainOutcome(latest[0] if latest else 0, reason)
+            return TrainOutcome(int(meta.get("global_step", 0)), reason)
         _check_loss_dtype(self.job.programs.spec(ModeKeys.TRAIN))
         goodput_record.resume(self.goodput, self.job.model_dir, meta)
-        runner = self.hooks()
+        self.attached = attached = self._attach()
         worker = HostWorker(max_queued=HOST_CALL_QUEUE_LOOPS)  # the device waits for a slow host
         try:
-            reason = self.loop(runner, worker, signals)
-            self.finish(runner, worker, signals)
+            reason, losses = self.loop(worker, signals)
+            self.finish(worker, signals, losses)
             with goodput.phase("checkpoint"):
-                wait_committed(self.saver.ckpts)
-            goodput_record.report(self.goodput, self.writer, self.step)
+                wait_committed(attached.saver.ckpts)
+            goodput_record.report(self.goodput, attached.writer, self.trained.step)
         finally:
-            self._close_input()
+            self.input.close()
             worker.close(timeout=0.5 if signals.requested else 30)
-            wait_committed(self.saver.ckpts)
+            wait_committed(attached.saver.ckpts)
             # Closing (not flush) waits for tensorboardX's queue: summaries are on disk.
             summary.close(self.job.model_dir)
             summary.close_file_writers()  # those host_call opened with create_file_writer
-        return TrainOutcome(self.step, reason)
+        return TrainOutcome(self.trained.step, reason)
 
-    def _latest(self):
-        """The newest checkpoint that looks intact, or verified when the call will skip."""
+    def _latest(self) -> dict:
+        """The meta of the newest checkpoint that looks intact ({}: none), verified when the
+        call will skip."""
         ckpts = self.job.store.writer()
         latest = ckpts.latest_meta()
         if latest and self._budget(latest[0]).reached(latest[0]):
             latest = ckpts.latest_verified()  # about to skip: its arrays must read back
-        return latest
+        return latest[1] if latest else {}
+
+    def _start_at(self, meta: dict) -> None:
+        """Starts the call where the checkpoint ``meta`` describes ({}: a fresh start): the
+        step budget from its step, and the input position after it (the state follows in
+        ``restore``)."""
+        step = int(meta.get("global_step", 0))
+        self.budget = self._budget(step)
+        self.trained = Trained(step, None, Position.after(meta))
 
     def _budget(self, start: int) -> StepBudget:
         return StepBudget.of(
@@ -200,78 +207,26 @@ class TrainRun:
         )
 
     # ------------------------------------------------------------------ phases
-    def open_input(self, meta: dict) -> bool:
-        """Opens the input positioned after the batches ``meta`` says were consumed and reads
-        its first chunk; False when the input ended (or a stop came) while skipping them.
-
-        An iterator with ``get_state``/``set_state`` is restored to the saved state; otherwise
-        a deterministic input_fn is fast-forwarded by the saved number of pulls. The step
-        budget is set from the step ``meta`` starts at.
-        """
-        job = self.job
-        resume = job.config.resume_input_position
-        pipe = job.feeder.pipeline(self.input_fn, ModeKeys.TRAIN, pad=False)
-        skip = 0
-        saved = meta.get("input_state")
-        if meta.get("input_states") is not None:  # a many-process run: this process's position
-            saved = meta["input_states"][jax.process_index()]
-        if resume and meta:  # bounded: a crafted count must not fast-forward for ever
-            path = job.store.writer().path(int(meta.get("global_step", 0)))
-            skip = resume_pulls(
-                meta,
-                pulls_per_step=pipe.pulls_per_step,
-                rows_per_pull=pipe.rows_per_pull,
-                path=path,
-                stateful=pipe.stateful and saved is not None,
-                processes=job.feeder.layout(ModeKeys.TRAIN).input_processes,
-            )
-        if resume and pipe.stateful and saved is not None:
-            pipe.set_state(saved)
-            skip = 0
-        begin = int(meta.get("global_step", 0))
-        self.budget = self._budget(begin)
-        pipe.global_step = begin
-        signals = preemption.active()  # a stop request ends a wait for input
-        interrupt = None if signals is None else signals.event
-        self.pipe = pipe
-        policy = job.feeder.layout(ModeKeys.TRAIN).loop_policy(unrolled=True)  # never merged
-        self.prefetch = job.feeder.prefetch(
-            pipe, self.budget.next_loop, policy, skip=skip, interrupt=interrupt
-        )
-        with goodput.phase("input_wait"):
-            self.first = next(self.prefetch, None)
-        if self.first is not None:
-            return True
-        self._close_input()
-        if interrupt is not None and interrupt.is_set():
-            return False
-        if skip:
-            log.warning("Input ended: nothing left to train after %d consumed batches.", skip)
-            return False
-        raise EstimatorValueError("input_fn produced no training batches")
-
     def restore(self, meta: dict) -> bool:
-        """The state: restored from the newest intact checkpoint (the input reopened where an
+        """The state: restored from the newest intact checkpoint (the call restarted where an
         older one had to be restored, since ``meta`` was not it), or fresh with the scaffold
         or warm start. False when the reopened input ended while skipping."""
-        job, first = self.job, self.first
-        self.model_batch = jax.tree.leaves(first.features)[0].shape[1] // job.num_replicas
-        job.model.check_labels(self.pipe.has_labels)
+        job, first, batch = self.job, self.input.first, self.input.model_batch
         example = (first.features, first.labels)
         with goodput.phase("checkpoint"):
-            restored = restore_train_state(job.programs, job.store, example, self.model_batch)
+            restored = restore_train_state(job.programs, job.store, example, batch)
         if restored is None:
-            self.state = fresh_train_state(job.programs, example, self.model_batch, self._init_fn)
-            return True
-        self.state, restored_meta = restored
-        if restored_meta.get("global_step") != meta.get("global_step"):
-            # The newest checkpoint was damaged and an older one restored: reposition.
-            self._close_input()
-            self.first = first = example = None
-            if not self.open_input(restored_meta):
-                return False
-        pulls = int(restored_meta.get("input_pulls", 0))
-        self.position = _Position(pulls, restored_meta.get("input_state"))
+            state = fresh_train_state(job.programs, example, batch, self._init_fn)
+        else:
+            state, restored_meta = restored
+            if restored_meta.get("global_step") != meta.get("global_step"):
+                # The newest checkpoint was damaged and an older one restored: reposition.
+                self.input.close()
+                first = example = None
+                self._start_at(restored_meta)
+                if not self.input.open(restored_meta, self.budget.next_loop):
+                    return False
+        self.trained = self.trained._replace(step=int(jax.device_get(state.step)), state=state)
         return True
 
     def _init_fn(self):
@@ -282,24 +237,57 @@ class TrainRun:
             in_model_fn=self.job.model.noted(ModeKeys.TRAIN, IN_MODEL_FN, ()),
         )
 
-    def hooks(self) -> HookRunner:
-        """Every hook of the call, assembled here in the order they run: the start-up summary
-        (its line comes before the first loss line), the default hooks, model_fn's
-        ``training_hooks``, the user's, then the progress bar. Also makes the saver and the
-        session hooks see."""
-        job, cfg, state = self.job, self.job.config, self.state
-        self.step = step = int(jax.device_get(state.step))
+    def _attach(self) -> Attached:
+        """The hook runner and the checkpointer, the session they hand hooks and listeners,
+        and the summary writer: made together, once the state is restored."""
+        job, step = self.job, self.trained.step
         layout = job.feeder.layout(ModeKeys.TRAIN)
-        global_batch = layout.global_rows or self.model_batch
+        writer = summary.writer_for(job.model_dir)
+        hooks = self._hooks(writer)
+        session = Session(
+            mode=ModeKeys.TRAIN, model_dir=job.model_dir, global_step=step, save=self._save
+        )
+        ckpts = job.store.writer()
+        saver = Checkpointer(
+            job.config,
+            ckpts,
+            job.store,
+            session,
+            self.listeners,
+            last_step=step if ckpts.steps() else None,
+            pulls_per_step=layout.pulls_per_step,
+            rows_per_pull=layout.rows_per_pull,
+            input_processes=layout.input_processes,
+        )
+        global_batch = layout.global_rows or self.input.model_batch
+        runner = HookRunner(hooks, session, examples_per_step=global_batch)
+        return Attached(runner, saver, session, writer)
+
+    def _save(self, step: int | None = None) -> str | None:
+        """``session.save`` (a user's ``CheckpointSaverHook``): the state the last loop
+        handed on, as ``step`` when given."""
+        trained = self.trained if step is None else self.trained._replace(step=step)
+        return self.attached.saver.save(trained)
+
+    def _hooks(self, writer) -> list:
+        """Every hook of the call, in the order they run: the loop tuner, the start-up summary
+        (its line comes before the first loss line), the default hooks, model_fn's
+        ``training_hooks``, the user's, the progress bar, then the goodput record. A fresh
+        start also writes its parameters to the HPARAMS tab."""
+        job, cfg = self.job, self.job.config
+        step, state = self.trained.step, self.trained.state
+        layout = job.feeder.layout(ModeKeys.TRAIN)
+        global_batch = layout.global_rows or self.input.model_batch
         compiled = self._train_program()
-        call_steps = jax.tree.leaves(self.first.features)[0].shape[0]  # the first call's
+        call_steps = jax.tree.leaves(self.input.first.features)[0].shape[0]  # the first call's
         tuner = auto_loop.tuner_for(job, self.budget, call_steps=call_steps)
         first = progress.StartupSummaryHook(
             job.mesh,
             cfg,
             self.startup,
+            options=job.options,
             global_batch=global_batch,
-            replica_batch=self.model_batch,
+            replica_batch=self.input.model_batch,
             params=state.params,
             opt_state=state.opt_state,
             state=state.state,
@@ -311,14 +299,14 @@ class TrainRun:
         given = list(job.programs.spec(ModeKeys.TRAIN).training_hooks) + self.user_hooks
         if progress.progress_enabled(cfg.progress_bar):
             given.append(progress.ProgressBarHook(start=step, total=self.budget.target))
-        self.writer = summary.writer_for(job.model_dir)
         train_op = job.programs.spec(ModeKeys.TRAIN).train_op
         defaults = _default_hooks(
             cfg,
             given,
-            writer=self.writer,
+            options=job.options,
+            writer=writer,
             examples_per_step=global_batch,
-            opt_state=lambda: self.state.opt_state,  # after each loop, before the next one
+            opt_state=lambda: self.trained.state.opt_state,  # after each loop, before the next
             train_op=train_op,
             flops=throughput.ModelFlops.of(job, compiled, steps=call_steps),
         )
@@ -326,39 +314,23 @@ class TrainRun:
             trainer = hparams.trainer_hparams(
                 cfg, global_batch=global_batch, max_steps=self.budget.target, train_op=train_op
             )
-            hparams.write_session_start(self.writer, {**trainer, **job.model.params})
-        ckpts = job.store.writer()
-        self.saver = Checkpointer(
-            cfg,
-            ckpts,
-            self,
-            job.store,
-            self.listeners,
-            pulls_per_step=layout.pulls_per_step,
-            rows_per_pull=layout.rows_per_pull,
-            input_processes=layout.input_processes,
-        )
-        self.saver.last_step = step if ckpts.steps() else None
-        self.session = Session(
-            mode=ModeKeys.TRAIN, model_dir=job.model_dir, global_step=step, save=self.saver.save
-        )
-        self.saver.session = self.session
+            hparams.write_session_start(writer, {**trainer, **job.model.params})
         reporting = [goodput_record.GoodputHook(self.goodput)]
-        hooks = [*auto_loop.as_list(tuner), first, *defaults, *given, *reporting]
-        return HookRunner(hooks, self.session, examples_per_step=global_batch)
+        return [*auto_loop.as_list(tuner), first, *defaults, *given, *reporting]
 
     def _train_program(self):
         """() -> the compiled train loop of the first chunk's shapes, the one the loop runs
         (for the DEBUG memory line and the model FLOPs; abstract shapes only, as the state
         is donated to the first loop)."""
-        if self.first is None:
+        first = self.input.first
+        if first is None:
             return None
 
         def abstract(x):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
-        args = jax.tree.map(abstract, (self.state, self.first.features, self.first.labels))
-        programs, batch, steps = self.job.programs, self.model_batch, self.first.steps
+        args = jax.tree.map(abstract, (self.trained.state, first.features, first.labels))
+        programs, batch, steps = self.job.programs, self.input.model_batch, first.steps
 
         def compiled():  # what the calls ran: compiled ahead or loaded, else in jit's cache
             loop = programs.train(batch, per_step_flags=programs.per_step_flags(args[0]))
@@ -366,57 +338,61 @@ class TrainRun:
 
         return compiled
 
-    def loop(self, runner: HookRunner, worker: HostWorker, signals: StopSignals) -> EndReason:
+    def loop(self, worker: HostWorker, signals: StopSignals) -> tuple[EndReason, np.ndarray | None]:
         """Runs loops until the budget is reached, a hook or listener stops, the input ends
-        or a signal comes; returns which."""
-        job, cfg = self.job, self.job.config
-        per_step = job.programs.per_step_flags(self.state)
-        program = job.programs.train(self.model_batch, per_step_flags=per_step)
-        state = self.state
+        or a signal comes; returns which, and the last loop's per-step losses."""
+        job, options = self.job, self.job.options
+        runner, saver, session, _ = self.attached
+        state = self.trained.state
+        per_step = job.programs.per_step_flags(state)
+        program = job.programs.train(self.input.model_batch, per_step_flags=per_step)
         names = nonfinite.state_leaf_names(state.params, state.state, state.opt_state)
         guard = nonfinite.FiniteGuard(names, per_step=per_step, replay_loop=self._replay_loop())
         runner.begin()
-        for listener in self.saver.listeners:
+        for listener in saver.listeners:
             listener.begin()
         runner.after_create_session()
-        first, self.first = self.first, None
+        first = self.input.take_first()
         if signals.requested and not multihost.is_multiprocess():
             first = None  # stopped during start-up: save the state as it is
         # A listener that evaluates (train_and_evaluate's) has its eval program compile meanwhile.
         evals = [x.evaluation_steps for x in self.listeners if hasattr(x, "evaluation_steps")]
         if first is not None and evals:
             layout = job.feeder.layout(ModeKeys.EVAL)
-            job.programs.compile_eval_ahead(self.state, first, layout, steps=evals[0])
-        loops = dispatch.loops_of(self.prefetch, first) if first is not None else iter(())
-        loops = cluster_progress.each(loops, "input", then="hooks", step=lambda: self.step)
-        del first  # the loop holds it until its call is dispatched
+            job.programs.compile_eval_ahead(state, first, layout, steps=evals[0])
+        loops = dispatch.loops_of(self.input.prefetch, first) if first is not None else iter(())
+        loops = cluster_progress.each(loops, "input", then="hooks", step=lambda: self.trained.step)
+        # Only the loop holds the first chunk (until its call is dispatched), and only
+        # ``trained`` the state: one kept for a replay (not donated) is freed after its loop.
+        del first, state
         job.store.forget()  # the state is donated to the loop from here on
+        losses = None
         for loop_steps, calls in goodput.each(loops, "input_wait"):
-            steps = np.arange(self.step + 1, self.step + loop_steps + 1)
+            start = self.trained.step
+            steps = np.arange(start + 1, start + loop_steps + 1)
             runner.before_run(steps)
             # each call's state is checked as it is fetched, before anything is saved
             with goodput.phase("productive"):
-                losses, host, done = _run_calls(program, self, calls, guard)
-            steps = steps[:done]  # fewer when the input ended inside the loop
-            self.step += done
-            self.losses = losses
-            self.session.global_step = self.step
-            cluster_progress.enter("host_call", self.step)
+                self.trained, losses, host = _run_calls(program, self.trained, calls, guard)
+            steps = steps[: self.trained.step - start]  # fewer when the input ended inside
+            session.global_step = self.trained.step
+            cluster_progress.enter("host_call", self.trained.step)
             self._host_call(worker, host, steps, signals)
             cluster_progress.enter("hooks")
-            hook_stop = runner.after_run(_loop_values(cfg, self.state, losses, steps, host), steps)
+            values = _loop_values(options, self.trained.state, losses, steps, host)
+            hook_stop = runner.after_run(values, steps)
             multihost.check_worker(worker, "host_call")
-            self.saver.maybe_save(self.step)
+            saver.maybe_save(self.trained)
             reason = self._stop_reason(hook_stop, signals)
             if reason is not None:
-                return reason
+                return reason, losses
         # The input ended (or a stop request ended a wait for it).
-        return EndReason.SIGNAL if signals.requested else EndReason.INPUT_END
+        return (EndReason.SIGNAL if signals.requested else EndReason.INPUT_END), losses
 
     def _replay_loop(self):
         """() -> the per-step train program a failed call is replayed with (None when the
         programs keep no input state: non-finite steps are skipped)."""
-        programs, batch = self.job.programs, self.model_batch
+        programs, batch = self.job.programs, self.input.model_batch
         if not programs.keeps_train_input():
             return None
         return lambda: programs.train(batch, per_step_flags=True)
@@ -428,7 +404,7 @@ class TrainRun:
             return
         every_n = self.job.config.tpu_config.host_call_every_n_steps
         worker.submit(
-            lambda f=host_call[0], h=host, s=steps, w=self.writer: run_host_calls(
+            lambda f=host_call[0], h=host, s=steps, w=self.attached.writer: run_host_calls(
                 f, h, s, every_n, w
             ),
             what=(int(steps[0]), int(steps[-1])),
@@ -438,7 +414,7 @@ class TrainRun:
     def _stop_reason(self, hook_stop: bool, signals: StopSignals) -> EndReason | None:
         """Why to stop after this loop, agreed by every process (they all stop together)."""
         hook, listener, signal = multihost.any_of(
-            hook_stop, self.saver.stop_requested, signals.requested
+            hook_stop, self.attached.saver.stop_requested, signals.requested
         )
         if signal:  # SIGTERM or Ctrl-C: checkpoint this step in finish, then stop
             return EndReason.SIGNAL
@@ -446,30 +422,27 @@ class TrainRun:
             return EndReason.HOOK
         if listener:
             return EndReason.LISTENER
-        return EndReason.TARGET if self.budget.reached(self.step) else None
+        return EndReason.TARGET if self.budget.reached(self.trained.step) else None
 
-    def finish(self, runner: HookRunner, worker: HostWorker, signals: StopSignals) -> None:
+    def finish(self, worker: HostWorker, signals: StopSignals, losses) -> None:
         """Hooks' end, the final checkpoint and the listeners' end; on a stop request the
-        checkpoint first, with no evaluation or other listener work in the grace period."""
+        checkpoint first, with no evaluation or other listener work in the grace period.
+        ``losses``: the last loop's, for the final log line."""
+        runner, saver, session, _ = self.attached
         runner.end()
-        step = self.step
+        trained = self.trained
         if signals.requested:
-            self.saver.listeners = []
-            save_then_drain(self.saver, worker, step)
+            saver.listeners = []
+            save_then_drain(saver, worker, trained)
         else:
-            cluster_progress.enter("host_call", step)
+            cluster_progress.enter("host_call", trained.step)
             multihost.check_worker(worker, "host_call", join=True)
-            self.saver.save(step)
-            for listener in self.saver.listeners:
-                listener.end(self.session, step)
-        self.job.store.remember(LastState(step, self.state, self.saver.meta(step)))
-        if self.losses is not None:
-            log.info("Loss for final step: %.4g.", float(self.losses[-1]))
-
-    def _close_input(self) -> None:
-        if self.prefetch is not None:
-            self.prefetch.close()
-            self.prefetch = None
+            saver.save(trained)
+            for listener in saver.listeners:
+                listener.end(session, trained.step)
+        self.job.store.remember(LastState(trained.step, trained.state, saver.meta(trained)))
+        if losses is not None:
+            log.info("Loss for final step: %.4g.", float(losses[-1]))
 
 
 def _acquire(lock: TrainerLock, model_dir: str) -> None:
@@ -487,6 +460,7 @@ def _default_hooks(
     config: RunConfig,
     given,
     *,
+    options: StepOptions,
     writer,
     examples_per_step: int,
     opt_state=lambda: None,
@@ -503,8 +477,8 @@ def _default_hooks(
             writer,
             every=config.save_summary_steps,
             examples_per_step=examples_per_step,
-            nonfinite=precision.skips_nonfinite(config),
-            loss_scale=precision.uses_loss_scale(config.tpu_config.compute_dtype),
+            nonfinite=options.skip_nonfinite,
+            loss_scale=options.policy.loss_scaled,
         ),
         HyperparamSummaryHook(
             writer, every=config.save_summary_steps, opt_state=opt_state, train_op=train_op
@@ -520,7 +494,7 @@ def _default_hooks(
     if every:
         out.append(LossLoggingHook(every))
     own_nan = any(isinstance(h, hooks_lib.NanTensorHook) for h in given)
-    if not (precision.skips_nonfinite(config) or own_nan):
+    if not (options.skip_nonfinite or own_nan):
         out.append(NanLossHook("loss"))
     if every:  # logs speed; the summaries come every save_summary_steps (TrainSummaries)
         if flops is None:
@@ -572,11 +546,11 @@ def _check_loss_dtype(spec) -> None:
         )
 
 
-def _loop_values(config: RunConfig, state: TrainState, losses, steps, host) -> dict:
+def _loop_values(options: StepOptions, state: TrainState, losses, steps, host) -> dict:
     """What hooks can fetch after a loop: per-step loss, global step and named host_call
     tensors (and the count of skipped non-finite steps when they are skipped)."""
     values = {"loss": losses, "global_step": steps}
-    if precision.skips_nonfinite(config):
+    if options.skip_nonfinite:
         values[TrainSummaryHook.NONFINITE] = np.array([int(jax.device_get(state.nonfinite))])
     if state.loss_scale is not None:  # float16 compute: the scale after the loop
         scale = float(jax.device_get(state.loss_scale.scale))
@@ -587,34 +561,34 @@ def _loop_values(config: RunConfig, state: TrainState, losses, steps, host) -> d
 
 
 def _run_calls(
-    loop, run: TrainRun, calls, guard: nonfinite.FiniteGuard
-) -> tuple[np.ndarray, Any, int]:
-    """Runs one loop's compiled calls back to back (``dispatch``); returns its per-step
-    losses and host tensors, fetched to the host (global rows on every process), and its
-    number of steps. Each call's all-finite flags are checked as it is fetched (``guard``;
-    its input state, when kept for a replay, is released then). The input position
-    advances with each call."""
+    loop, trained: Trained, calls, guard: nonfinite.FiniteGuard
+) -> tuple[Trained, np.ndarray, Any]:
+    """Runs one loop's compiled calls back to back (``dispatch``) from ``trained``; returns
+    what it hands on (the step reached, the state after it, the input position after its
+    batches) and its per-step losses and host tensors, fetched to the host (global rows on
+    every process). Each call's all-finite flags are checked as it is fetched (``guard``;
+    its input state, when kept for a replay, is released then)."""
+    step, state, position = trained
 
-    def launch(chunk: Chunk):
+    def launch(chunk):
+        nonlocal state
         kept = None
         if guard.keeps(chunk.steps):
-            kept = nonfinite.Replay(run.state, chunk.features, chunk.labels)
-        run.state, outputs = loop(run.state, chunk.features, chunk.labels)
+            kept = nonfinite.Replay(state, chunk.features, chunk.labels)
+        state, outputs = loop(state, chunk.features, chunk.labels)
         return outputs, kept
 
     def fetch(launched):
         return multihost.to_host(launched[0]), launched[1]
 
-    parts, done = [], 0
+    parts = []
     calls = goodput.each(calls, "input_wait")
     for chunk, (outputs, kept) in dispatch.dispatch(calls, launch=launch, fetch=fetch):
         losses, host, finite = outputs
-        first = run.step + done + 1
-        guard.check(finite, losses, np.arange(first, first + chunk.steps), kept)
+        guard.check(finite, losses, np.arange(step + 1, step + chunk.steps + 1), kept)
         del kept
         parts.append((losses, host))
-        done += chunk.steps
-        run.position.input_pulls += chunk.pulls
-        run.position.input_state = chunk.input_state
+        step += chunk.steps
+        position = Position(position.input_pulls + chunk.pulls, chunk.input_state)
     losses, host = dispatch.concat_steps(parts)
-    return losses, host, done
+    return Trained(step, state, position), losses, host

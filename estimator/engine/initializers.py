@@ -59,14 +59,18 @@ def _variance_scaling(scale: float, mode: str, distribution: str) -> Initializer
     if dist is None:
         raise EstimatorValueError(f"unknown variance-scaling distribution {distribution!r}")
     matrix = jinit.variance_scaling(scale, mode, dist)
+    # TF's ``_compute_fans``: a vector of n has fan_in = fan_out = n, a scalar 1 and 1. JAX
+    # gives those fans to a (1, 1, n) array whose third axis is the receptive field (fan_in =
+    # 1 * n, fan_out = 1 * n), so a vector draws its own n values (every mode and
+    # distribution as TF), not a row of an (n, n) matrix (n * n values).
+    vector = jinit.variance_scaling(scale, mode, dist, in_axis=0, out_axis=1)
 
     def init(key, shape, dtype=jnp.float32):
         shape = tuple(shape)
         if len(shape) >= 2:
             return matrix(key, shape, dtype)
-        # Every fan (in, out, average) of a vector of n is n in TF: draw one row of (n, n).
         n = shape[0] if shape else 1
-        return jnp.reshape(matrix(key, (n, n), dtype)[0, : max(n, 1)], shape)
+        return jnp.reshape(vector(key, (1, 1, n), dtype), shape)
 
     return init
 

@@ -32,8 +32,9 @@ from ..parallel import fsdp, zero
 from ..parallel.mesh import DATA
 from ..parallel.replica_context import is_varying
 from ..spec import ModeKeys, TPUEstimatorSpec
-from . import microbatch, multi_loss, precision
+from . import averages, microbatch, multi_loss, precision
 from .model import ModelFn, step_rngs
+from .options import StepOptions
 
 
 class TrainState(NamedTuple):
@@ -164,6 +165,8 @@ def _update_fn(holder: SpecHolder, *, skip_nonfinite: bool):
     def update(state: TrainState, loss, grads, new_state, place) -> TrainState:
         tx = holder[ModeKeys.TRAIN].train_op
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        # ema.apply(var_list): the averages of BatchNorm statistics follow the new ones
+        opt_state = averages.average_collections(opt_state, state.state, new_state)
         params, opt_state, new_state = place(
             optax.apply_updates(state.params, updates), opt_state, new_state
         )
@@ -184,14 +187,7 @@ def _update_fn(holder: SpecHolder, *, skip_nonfinite: bool):
 
 
 def _train_step_parts(
-    model: ModelFn,
-    holder: SpecHolder,
-    *,
-    batch_size: int,
-    skip_nonfinite: bool,
-    input_specs: tuple,
-    compute_dtype: str | None = None,
-    num_microbatches: int = 1,
+    model: ModelFn, holder: SpecHolder, options: StepOptions, *, batch_size: int, input_specs: tuple
 ):
     """The two halves of a train step: ``gradients`` (one replica's rows, inside the
     ``shard_map`` over ``"data"``) and ``update`` (the optimizer step on reduced gradients).
@@ -203,11 +199,11 @@ def _train_step_parts(
     ``update(state, loss, grads, new_state, place)`` applies the optimizer;
     ``place(params, opt_state, new_state)`` returns them with their shardings.
 
-    ``compute_dtype`` runs model_fn on cast inputs and parameters (``precision``), with the
-    loss scaled when it is float16; ``num_microbatches`` accumulates the gradient over that
-    many micro-batches of the replica's rows (``microbatch``).
+    ``options.policy`` runs model_fn on cast inputs and parameters (``precision``), with the
+    loss scaled when it is float16; ``options.num_microbatches`` accumulates the gradient
+    over that many micro-batches of the replica's rows (``microbatch``).
     """
-    dtype = precision.dtype_of(compute_dtype)
+    policy, num_microbatches = options.policy, options.num_microbatches
     rows = microbatch.micro_rows(batch_size, num_microbatches)
 
     def gradients(state: TrainState, features, labels, *, view=None):
@@ -225,9 +221,10 @@ def _train_step_parts(
             def loss_fn(params):
                 if view is not None:
                     params = view(params)
+                variables, inputs = policy.to_compute(_variables(params, collections), features)
                 spec, new_state = model.apply(
-                    _variables(precision.cast_floats(params, dtype), collections),
-                    precision.cast_floats(features, dtype),
+                    variables,
+                    inputs,
                     labels,
                     mode=ModeKeys.TRAIN,
                     batch_size=rows,
@@ -238,8 +235,9 @@ def _train_step_parts(
                 )
                 holder[ModeKeys.TRAIN] = spec
                 loss = _scalar_loss(spec)
-                host = precision.float32_outputs(host_tensors(spec.host_call), dtype)
-                new_state = precision.keep_dtypes(new_state, collections)
+                host, new_state = policy.from_compute(
+                    host_tensors(spec.host_call), new_state, collections
+                )
                 objective = multi_loss.objective(spec, loss)  # a TrainOp: one loss per term
                 return precision.scale_loss(objective, state.loss_scale), (loss, new_state, host)
 
@@ -254,36 +252,32 @@ def _train_step_parts(
         )
         return loss, precision.unscale(grads, state.loss_scale), new_state, host
 
-    return gradients, _update_fn(holder, skip_nonfinite=skip_nonfinite)
+    return gradients, _update_fn(holder, skip_nonfinite=options.skip_nonfinite)
 
 
 def make_train_loop(
     model: ModelFn,
     mesh: Mesh,
     holder: SpecHolder,
+    options: StepOptions,
     *,
     batch_size: int,
-    unroll: bool = False,
-    skip_nonfinite: bool = False,
     var_specs: Any = None,
     input_specs: tuple = (None, None),
-    shard_optimizer_state: bool = False,
-    shard_params: bool = False,
-    compute_dtype: str | None = None,
-    num_microbatches: int = 1,
     per_step_flags: bool = True,
-    donate: bool = True,
 ):
-    """``loop(state, batch) -> (state, (loss[n], host_tensors[n, ...], finite))``, state
-    donated unless ``donate=False``. ``finite`` flags every floating-point leaf of the params,
-    collections and optimizer state (``finite_flags``): ``[leaves]`` of the state the call
-    returns, or with ``per_step_flags`` ``[n, leaves]``, one row per step. The host checks it
-    before any save (``driver/nonfinite.py``); the per-step form costs a pass over the whole
-    state every step (docs/performance.md, finding 14), so it is kept for finding the step.
+    """``loop(state, batch) -> (state, (loss[n], host_tensors[n, ...], finite))``: the train
+    step as ``options`` (``engine/options.py``) says, its input state donated unless
+    ``options.keeps_input(per_step_flags)``. ``finite`` flags every floating-point leaf of
+    the params, collections and optimizer state (``finite_flags``): ``[leaves]`` of the state
+    the call returns, or with ``per_step_flags`` ``[n, leaves]``, one row per step. The host
+    checks it before any save (``driver/nonfinite.py``); the per-step form costs a pass over
+    the whole state every step (docs/performance.md, finding 14), so it is kept for finding
+    the step.
 
     ``var_specs`` ({"params": ..., collection: ...} of PartitionSpecs) keeps variables sharded
-    over ``"model"``; ``input_specs`` (features, labels) splits inputs spatially.
-    ``shard_optimizer_state`` / ``shard_params`` shard the state over ``"data"`` as well
+    over ``"model"``; ``input_specs`` (features, labels) splits inputs spatially. With
+    ``options.sharded_state`` the state is sharded over ``"data"`` as well
     (``make_sharded_state_train_loop``).
     """
     param_specs = None if var_specs is None else var_specs.get("params")
@@ -291,26 +285,18 @@ def make_train_loop(
         None if var_specs is None else {k: v for k, v in var_specs.items() if k != "params"}
     )
     gradients, update = _train_step_parts(
-        model,
-        holder,
-        batch_size=batch_size,
-        skip_nonfinite=skip_nonfinite,
-        input_specs=input_specs,
-        compute_dtype=compute_dtype,
-        num_microbatches=num_microbatches,
+        model, holder, options, batch_size=batch_size, input_specs=input_specs
     )
-    if (shard_optimizer_state or shard_params) and mesh.shape[DATA] > 1:
+    if options.sharded_state:
         return make_sharded_state_train_loop(
             gradients,
             update,
             mesh,
             holder,
-            unroll=unroll,
+            options,
             param_specs=param_specs,
             state_specs=state_specs,
-            shard_params=shard_params,
             per_step_flags=per_step_flags,
-            donate=donate,
         )
 
     def place(params, opt_state, new_state):
@@ -324,7 +310,8 @@ def make_train_loop(
         return new, (loss, host, _state_flags(new) if per_step_flags else None)
 
     def loop(state: TrainState, features, labels):
-        return _final_flags(_scan(step_fn, state, (features, labels), unroll), per_step_flags)
+        scanned = _scan(step_fn, state, (features, labels), options.unroll)
+        return _final_flags(scanned, per_step_flags)
 
     sharded = jax.shard_map(
         loop,
@@ -333,7 +320,12 @@ def make_train_loop(
         out_specs=(P(), (P(), P(None, DATA), P())),
         axis_names={DATA},
     )
-    return jax.jit(sharded, donate_argnums=0 if donate else ())
+    return jax.jit(sharded, donate_argnums=_donated(options, per_step_flags))
+
+
+def _donated(options: StepOptions, per_step_flags: bool) -> tuple:
+    """A train loop's ``donate_argnums``: the state, unless the program keeps it."""
+    return () if options.keeps_input(per_step_flags) else (0,)
 
 
 def _final_flags(scanned: tuple, per_step_flags: bool) -> tuple:
@@ -348,16 +340,14 @@ def make_sharded_state_train_loop(
     update,
     mesh: Mesh,
     holder: SpecHolder,
+    options: StepOptions,
     *,
-    unroll: bool,
     param_specs: Any,
     state_specs: Any,
-    shard_params: bool,
     per_step_flags: bool = True,
-    donate: bool = True,
 ):
-    """The train loop with optimizer state (and with ``shard_params`` parameters) split over
-    ``"data"`` (ZeRO-1/2/3; the layout rules are in ``zero``).
+    """The train loop with optimizer state (and with ``options.sharded_params`` parameters)
+    split over ``"data"`` (ZeRO-1/2/3; the layout rules are in ``zero``).
 
     ``jit(scan(step))``, each step: ``shard_map`` over ``"data"`` computes every replica's
     gradient and reduce-scatters it (each replica gets the global mean of its 1/R slice of
@@ -368,7 +358,7 @@ def make_sharded_state_train_loop(
     ``shard_params``, stay split and are all-gathered on entry to the next step's forward).
     """
 
-    replicas = mesh.shape[DATA]
+    replicas, shard_params = mesh.shape[DATA], options.sharded_params
 
     def step_fn(state: TrainState, batch: tuple):
         sharded = zero.param_specs(state.params, param_specs, num_replicas=replicas)
@@ -410,9 +400,10 @@ def make_sharded_state_train_loop(
         return new, (loss, host, _state_flags(new) if per_step_flags else None)
 
     def loop(state: TrainState, features, labels):
-        return _final_flags(_scan(step_fn, state, (features, labels), unroll), per_step_flags)
+        scanned = _scan(step_fn, state, (features, labels), options.unroll)
+        return _final_flags(scanned, per_step_flags)
 
-    return jax.jit(loop, donate_argnums=0 if donate else ())
+    return jax.jit(loop, donate_argnums=_donated(options, per_step_flags))
 
 
 def make_eval_loop(
@@ -424,23 +415,25 @@ def make_eval_loop(
     batch_size: int,
     unroll: bool = False,
     input_specs: tuple = (None, None),
-    compute_dtype: str | None = None,
+    policy: precision.Policy | None = None,
 ):
     """EVAL: ``loop(variables, step, rng, batch) -> (loss[n, R], metric tensors[n, GB, ...])``.
 
-    PREDICT: the same signature returning ``predictions[n, GB, ...]``. ``compute_dtype``
-    runs model_fn on cast inputs and parameters; what reaches the host is float32.
+    PREDICT: the same signature returning ``predictions[n, GB, ...]``. ``policy`` (the
+    step options' compute-dtype policy; None: float32) runs model_fn on cast inputs and
+    parameters; what reaches the host is float32.
     """
-    dtype = precision.dtype_of(compute_dtype)
+    policy = precision.Policy() if policy is None else policy
 
     def step_fn(carry, batch):
         variables, step, rng = carry
         features, labels, mask = batch
         features, labels = constrain(features, input_specs[0]), constrain(labels, input_specs[1])
         rngs = step_rngs(jax.random.wrap_key_data(rng), step, lax.axis_index(DATA))
+        variables, features = policy.to_compute(variables, features)
         spec, _ = model.apply(
-            precision.cast_params(variables, dtype),
-            precision.cast_floats(features, dtype),
+            variables,
+            features,
             labels,
             mode=mode,
             batch_size=batch_size,
@@ -450,8 +443,8 @@ def make_eval_loop(
         )
         holder[mode] = spec
         if mode == ModeKeys.PREDICT:
-            return carry, precision.float32_outputs(spec.predictions, dtype)
-        metrics = precision.float32_outputs(host_tensors(spec.eval_metrics), dtype)
+            return carry, policy.from_compute(spec.predictions)[0]
+        metrics, _ = policy.from_compute(host_tensors(spec.eval_metrics))
         return carry, (jnp.reshape(_scalar_loss(spec), (1,)), metrics)
 
     def loop(variables, step, rng, features, labels, mask):

@@ -6,6 +6,9 @@ on the way in (``cast_floats``), and the gradient is taken with respect to the f
 master parameters *through* that cast, so the optimizer state, the batch statistics and the
 checkpoints stay float32 (``keep_dtypes`` casts updated collections back). Host-bound
 tensors (host_call, eval_metrics, predictions) come back as float32 (``float32_outputs``).
+The loops make those casts through one ``Policy`` (``to_compute`` on the way in,
+``from_compute`` on the way out), resolved once with the other step options
+(``engine/options.py``).
 
 ``"float16"`` adds dynamic loss scaling (``LossScale``, TF's and Keras's defaults): the loss
 is multiplied by the scale before the gradient and the gradient divided by it after; a step
@@ -88,6 +91,57 @@ def keep_dtypes(new: Any, like: Any) -> Any:
     return jax.tree.map(lambda n, o: n.astype(o.dtype) if n.dtype != o.dtype else n, new, like)
 
 
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """The compute-dtype policy of the compiled loops: one cast into the compute dtype on the
+    way into model_fn (``to_compute``) and one cast out of it (``from_compute``).
+
+    Attributes:
+      compute_dtype: ``TPUConfig.compute_dtype`` (None: float32, and both casts keep every
+        leaf as it is).
+
+    Example:
+      >>> policy = Policy("bfloat16")
+      >>> variables, x = policy.to_compute({"params": {"w": jnp.ones(2)}}, jnp.ones(3))
+      >>> variables["params"]["w"].dtype, x.dtype, policy.loss_scaled
+      (dtype(bfloat16), dtype(bfloat16), False)
+      >>> host, _ = policy.from_compute({"logits": x})
+      >>> host["logits"].dtype
+      dtype('float32')
+    """
+
+    compute_dtype: str | None = None
+
+    @property
+    def dtype(self) -> Any:
+        """The jnp compute dtype (None: no policy)."""
+        return dtype_of(self.compute_dtype)
+
+    @property
+    def loss_scaled(self) -> bool:
+        """float16 compute: the loss is scaled dynamically (``LossScale`` in the train state,
+        checkpointed as ``loss_scale``), and a step that overflows is skipped."""
+        return self.compute_dtype == "float16"
+
+    def to_compute(self, variables: dict, features: Any) -> tuple[dict, Any]:
+        """What model_fn reads: the ``params`` collection of ``variables`` and the float
+        ``features`` cast to the compute dtype (``cast_params``, ``cast_floats``); the other
+        collections (batch statistics) are read as stored. Under ``grad``, the gradient
+        reaches the float32 master parameters through the cast."""
+        dtype = self.dtype
+        return cast_params(variables, dtype), cast_floats(features, dtype)
+
+    def from_compute(self, host: Any, new_state: Any = None, stored: Any = None) -> tuple[Any, Any]:
+        """What leaves the step: ``host`` (host_call tensors, eval metrics, predictions) with
+        compute-dtype leaves widened to float32 (``float32_outputs``), and the updated
+        collections ``new_state`` in the dtypes of ``stored``, the collections they replace
+        (``keep_dtypes``; ``stored=None`` returns ``new_state`` as given)."""
+        host = float32_outputs(host, self.dtype)
+        if stored is not None:
+            new_state = keep_dtypes(new_state, stored)
+        return host, new_state
+
+
 class LossScale(NamedTuple):
     """Dynamic loss-scale state (part of ``TrainState``; checkpointed as ``loss_scale``)."""
 
@@ -139,16 +193,6 @@ def next_loss_scale(
     new_scale = jnp.where(finite, up, down).astype(jnp.float32)
     new_good = jnp.where(finite & ~grow, good + 1, 0).astype(jnp.int32)
     return LossScale(new_scale, new_good)
-
-
-def uses_loss_scale(compute_dtype: str | None) -> bool:
-    return compute_dtype == "float16"
-
-
-def skips_nonfinite(config: Any) -> bool:
-    """Whether non-finite steps are skipped and counted: ``RunConfig.skip_nonfinite_steps``,
-    or float16 compute (whose loss scaling skips every overflowing step)."""
-    return bool(config.skip_nonfinite_steps) or uses_loss_scale(config.tpu_config.compute_dtype)
 
 
 def _cast_args(value: Any, dtype: Any) -> Any:
@@ -210,6 +254,7 @@ def bfloat16_scope(dtype: Any = jnp.bfloat16) -> Iterator[None]:
 __all__ = [
     "COMPUTE_DTYPES",
     "LossScale",
+    "Policy",
     "bfloat16_scope",
     "cast_floats",
     "float32_outputs",

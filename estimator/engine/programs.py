@@ -10,6 +10,7 @@ specs (``var_specs``, known after the first trace), which later programs and res
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -27,9 +28,10 @@ from ..parallel import multihost, partitioning
 from ..parallel.mesh import DATA
 from ..runtime import seed_key_data
 from ..spec import ModeKeys, TPUEstimatorSpec
-from . import ahead, precision
+from . import ahead
 from .loops import SpecHolder, TrainState, make_eval_loop, make_init, make_train_loop
 from .model import ModelFn
+from .options import StepOptions, loop_unrolled
 from .tails import CallCosts
 
 log = logging.getLogger("estimator")
@@ -86,6 +88,12 @@ class Programs:
         self._cache: dict[tuple, Callable] = {}
         self._costs: dict[tuple, CallCosts] = {}
 
+    @functools.cached_property
+    def options(self) -> StepOptions:
+        """The train step's options, resolved once from the config and the mesh (on first
+        use): what every reader of a step decision reads (``engine/options.py``)."""
+        return StepOptions.of(self.config, self.mesh)
+
     def spec(self, mode: str) -> TPUEstimatorSpec:
         """The spec model_fn returned in ``mode`` (after a program of that mode was traced)."""
         return self.specs[mode]
@@ -118,7 +126,7 @@ class Programs:
 
     def keeps_train_input(self) -> bool:
         """Whether the per-call train program keeps (does not donate) its input state."""
-        return not precision.skips_nonfinite(self.config)
+        return self.options.keeps_input(per_step_flags=False)
 
     def per_step_flags(self, state: Any) -> bool:
         """Whether training checks the state every step (``train(per_step_flags=True)``):
@@ -136,17 +144,11 @@ class Programs:
             self.model,
             self.mesh,
             self.specs,
+            self.options,
             batch_size=batch_size,
-            unroll=self.unrolled(ModeKeys.TRAIN),
-            skip_nonfinite=precision.skips_nonfinite(self.config),
             var_specs=self.var_specs,
             input_specs=self.input_specs(),
-            shard_optimizer_state=self.config.tpu_config.shard_optimizer_state,
-            shard_params=self.config.tpu_config.shard_params,
-            compute_dtype=self.config.tpu_config.compute_dtype,
-            num_microbatches=self.config.tpu_config.num_microbatches,
             per_step_flags=per_step_flags,
-            donate=per_step_flags or not self.keeps_train_input(),
         )
 
     def compile_train_ahead(self, shapes: dict, shardings: Any, example: tuple) -> bool:
@@ -156,11 +158,10 @@ class Programs:
         compiles, overlapped. ``shapes`` / ``shardings`` are the unboxed variables' and their
         NamedShardings. Returns whether it started: only for a replicated state on one
         process (otherwise the loop's input shardings are the compiler's to choose)."""
-        tpu = self.config.tpu_config
         if (
             multihost.is_multiprocess()
-            or tpu.compute_dtype == "float16"  # the state carries a loss scale: built as before
-            or ((tpu.shard_params or tpu.shard_optimizer_state) and self.mesh.shape[DATA] > 1)
+            or self.options.policy.loss_scaled  # the state carries a loss scale: built as before
+            or self.options.sharded_state
             or not all(s.is_fully_replicated for s in jax.tree.leaves(shardings))
         ):
             return False
@@ -210,7 +211,7 @@ class Programs:
                     batch_size=batch_size,
                     unroll=self.unrolled(mode),
                     input_specs=self.input_specs(),
-                    compute_dtype=self.config.tpu_config.compute_dtype,
+                    policy=self.options.policy,
                 ),
                 steps_of=lambda args: args[5].shape[0],  # the mask's steps
             ),
@@ -227,11 +228,7 @@ class Programs:
         variables = {"params": state.params, **state.state}
         sig = ahead.chunk_signature(chunk)
         tpu = self.config.tpu_config
-        if (
-            not rows
-            or multihost.is_multiprocess()
-            or (tpu.shard_params and self.mesh.shape[DATA] > 1)
-        ):
+        if not rows or multihost.is_multiprocess() or self.options.sharded_params:
             return False
         replicas = self.mesh.shape[DATA]
         row_bytes = sum(
@@ -291,18 +288,9 @@ class Programs:
         return specs(dims[0]), specs(dims[1]) if len(dims) > 1 else None
 
     def unrolled(self, mode: str) -> bool:
-        """Whether ``mode``'s loop is unrolled: ``TPUConfig.unroll_loops``, or for ``None``
-        the training loop on CPU when it is short (<= 10 steps). XLA:CPU runs the gradient
-        convolutions of a rolled training loop about 18x slower (jax-ml/jax#12868), but
-        forward-only loops measured as fast rolled (the benchmark CNN, a ResNet), and a
-        rolled loop compiles in the same time whatever its length, so evaluation and
-        prediction stay rolled (docs/performance.md)."""
-        tpu = self.config.tpu_config
-        if tpu.unroll_loops is not None:
-            return tpu.unroll_loops
-        if mode != ModeKeys.TRAIN:
-            return False
-        return jax.default_backend() == "cpu" and tpu.iterations_per_loop <= 10
+        """Whether ``mode``'s loop is unrolled (``options.loop_unrolled``; for TRAIN, what
+        ``options.unroll`` holds)."""
+        return loop_unrolled(self.config.tpu_config, mode)
 
     def _get(self, key: tuple, build: Callable[[], Callable]) -> Callable:
         if key not in self._cache:

@@ -21,7 +21,7 @@ from ..parallel import partitioning, zero
 from ..parallel.mesh import DATA
 from ..runtime import init_compiler_options, seed_key_data
 from ..spec import ModeKeys
-from . import executables, microbatch, precision
+from . import executables, microbatch
 from .loops import TrainState, make_fresh_train_state, make_split_init
 from .programs import Programs
 
@@ -122,10 +122,6 @@ def split_params(variables: dict) -> tuple[Any, dict]:
     return params, variables
 
 
-def _uses_loss_scale(programs: Programs) -> bool:
-    return precision.uses_loss_scale(programs.config.tpu_config.compute_dtype)
-
-
 def to_train_state(variables: dict, train: dict) -> TrainState:
     params, rest = split_params(variables)
     return TrainState(
@@ -190,7 +186,7 @@ def fresh_train_state(
             opt_shardings=None if over is None else over[1],
             compiler_options=init_compiler_options(elements),
             drawn_params=drawn_params,
-            loss_scale=_uses_loss_scale(programs),
+            loss_scale=programs.options.policy.loss_scaled,
         )
 
     if init_fn is None:  # the train loop compiles on a thread while init's program does
@@ -245,12 +241,17 @@ def param_model_specs(programs: Programs) -> Any:
 def over_replicas(programs: Programs, params: Any, opt_state: Any) -> tuple[Any, Any] | None:
     """(params, opt_state) shardings split over replicas (``TPUConfig.shard_optimizer_state``
     / ``shard_params``); None when the state is replicated."""
-    tpu, mesh = programs.config.tpu_config, programs.mesh
-    if not (tpu.shard_optimizer_state or tpu.shard_params) or mesh.shape[DATA] == 1:
+    options = programs.options
+    if not options.sharded_state:
         return None
     tx = programs.spec(ModeKeys.TRAIN).train_op
     return zero.state_shardings(
-        mesh, tx, params, opt_state, param_model_specs(programs), shard_params=tpu.shard_params
+        programs.mesh,
+        tx,
+        params,
+        opt_state,
+        param_model_specs(programs),
+        shard_params=options.sharded_params,
     )
 
 

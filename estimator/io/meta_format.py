@@ -1,8 +1,11 @@
 """A checkpoint's JSON meta: its checksum, the legacy format, and a bound on its nesting.
 
 The meta (``global_step``, ``input_pulls``, ``skipped_pulls``, ``input_state`` ...) is written
-with a ``checksum``: SHA-256 of the canonical JSON of its other entries. A meta is damaged
-(the step is skipped for an older one and moved aside) when:
+with a ``checksum``: SHA-256 of the canonical JSON of its other entries. ``moving_average``
+says whether the ``train`` item holds an ``ExponentialMovingAverage`` shadow, so evaluate and
+predict open the ``train`` item only when it does (a meta written before the flag existed
+has no entry: the item is looked into, ``io/restore.py``). A meta is damaged (the step is
+skipped for an older one and moved aside) when:
 
 * its checksum does not match (a valid-JSON edit);
 * it has no checksum but is not in the legacy format. Checkpoints written before checksums

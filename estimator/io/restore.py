@@ -3,7 +3,8 @@
 The templates (shapes, dtypes and shardings) come from tracing model_fn on an example
 (``engine/state.py``); Orbax then reads each array straight into its place. What the last
 ``train`` left in memory (``StateStore.last``) is used instead of a reload when it is the
-newest checkpoint.
+newest checkpoint. Evaluate and predict keep the variables they placed for their loops
+(``StateStore.placed``): a later call for the same checkpoint reads and places nothing.
 
 Example:
   >>> got = restore_train_state(programs, store, (features, labels), batch_size=8)
@@ -12,9 +13,10 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .. import storage
 from ..engine import precision
 from ..engine.loops import TrainState
 from ..engine.programs import Programs
@@ -35,8 +38,7 @@ from ..engine.state import (
     train_state_parts,
 )
 from ..errors import CheckpointError, NoCheckpointError
-from ..parallel import zero
-from ..parallel.mesh import DATA
+from ..parallel import multihost, zero
 from ..spec import ModeKeys
 from . import checkpoint as ckpt_lib
 from . import variables as variables_lib
@@ -60,7 +62,7 @@ def _train_extras(programs: Programs, params: Any) -> dict:
         "rng": jax.ShapeDtypeStruct((2,), jnp.uint32),
         "nonfinite": jax.ShapeDtypeStruct((), jnp.int32),
     }
-    if precision.uses_loss_scale(programs.config.tpu_config.compute_dtype):
+    if programs.options.policy.loss_scaled:
         extras["loss_scale"] = precision.loss_scale_shapes()  # float16's dynamic loss scale
     return extras
 
@@ -73,12 +75,24 @@ def _with_shardings(tree: Any, shardings: Any) -> Any:
 
 def _gathered(programs: Programs, variables: dict) -> dict:
     """Variables whose params are split over replicas (``shard_params``), whole again."""
-    if not programs.config.tpu_config.shard_params or programs.mesh.shape[DATA] == 1:
+    if not programs.options.sharded_params:
         return variables
     params, rest = split_params(variables)
     specs = zero.resolved_model_specs(params, param_model_specs(programs))
-    whole = zero.named(programs.mesh, specs)
-    return {"params": jax.jit(lambda p: p, out_shardings=whole)(params), **rest}
+    leaves, tree = jax.tree.flatten(zero.named(programs.mesh, specs))
+    return {"params": _gather_program(tree, tuple(leaves))(params), **rest}
+
+
+def _identity(tree: Any) -> Any:
+    return tree
+
+
+@functools.lru_cache(maxsize=8)
+def _gather_program(tree: Any, shardings: tuple) -> Callable:
+    """The one program per layout that makes split params whole (``_gathered``): compiled by
+    the first evaluate or predict after ``train`` (cheaper than reading the checkpoint back),
+    reused by every later one (a new ``jax.jit`` per call compiled each time)."""
+    return jax.jit(_identity, out_shardings=jax.tree.unflatten(tree, shardings))
 
 
 def restore_train_state(
@@ -116,6 +130,7 @@ def restore_variables(
     checkpoint_path: str | None,
     *,
     saver_sources: Callable[[Callable | None], dict[str, str] | None] | None = None,
+    place: Callable[[dict], dict] | None = None,
 ) -> tuple[dict, int]:
     """Variables for evaluate/predict/export from ``checkpoint_path`` or the latest checkpoint.
 
@@ -125,17 +140,82 @@ def restore_variables(
     variables the model lacks is read too, the extras named once in the log (training's
     resume stays strict).
 
+    ``place(variables)`` (evaluate and predict: placed for their loops) is applied to what is
+    returned, and the result is kept in the store (``StateStore.placed``, one checkpoint's):
+    a later call for the same checkpoint, mode and batch size reads nothing from disk and
+    places nothing. The checkpoint is known by its directory's stamp, so a newer one, or one
+    written again at the same step, is read again; the store drops the copy when training
+    takes the memory back (``StateStore.forget``).
+
     Raises:
       NoCheckpointError: no checkpoint exists (TF: "Could not find trained model").
     """
+    model_dir, step = ckpt_lib.resolve_path(checkpoint_path, store.model_dir)
+    ckpts = store.reader(model_dir)
+    read = functools.partial(
+        _read, programs, store, mode, example, batch_size, ckpts, model_dir, step, saver_sources
+    )
+    if place is None:
+        return read()
+    key = _placed_key(ckpts, step, mode, batch_size)
+    kept = store.placed
+    hit = key is not None and kept is not None and kept.key == key and _alive(kept.variables)
+    (miss,) = multihost.any_of(not hit)  # every process reads, or none (a read may sync them)
+    if not miss:
+        if not programs.traced(mode):  # trace model_fn once so its spec is known
+            abstract_variables(programs, mode, example, batch_size)
+        return kept.variables, kept.global_step
+    store.placed = None  # the copy kept goes before another is read
+    variables, global_step = read()
+    variables = place(variables)
+    if key is not None and global_step == key[1]:  # not an older step read instead
+        store.placed = Placed(key, variables, global_step)
+    return variables, global_step
+
+
+class Placed(NamedTuple):
+    """Variables evaluate or predict placed for their loops, kept for the next call of the
+    same checkpoint (``restore_variables(place=...)``)."""
+
+    key: tuple  # ``_placed_key``: the checkpoint's stamp and step, the mode, the batch size
+    variables: dict
+    global_step: int
+
+
+def _placed_key(
+    ckpts: ckpt_lib.Checkpoints, step: int | None, mode: str, batch: int
+) -> tuple | None:
+    """What a restore of ``step`` (None: the newest) gives, from one listing and one stat:
+    the step directory's stamp (a new run's checkpoint at the same step is another
+    directory), the step, the mode and the batch size; None when there is no checkpoint."""
+    wanted = step if step is not None else ckpts.newest_step()
+    stamp = None if wanted is None else storage.stamp(ckpts.path(wanted))
+    return None if stamp is None else (stamp, wanted, mode, batch)
+
+
+def _alive(tree: Any) -> bool:
+    """Whether no array of ``tree`` was deleted (donated to a loop) since it was kept."""
+    return not any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(tree))
+
+
+def _read(
+    programs: Programs,
+    store: StateStore,
+    mode: str,
+    example: Example,
+    batch_size: int,
+    ckpts: ckpt_lib.Checkpoints,
+    model_dir: str,
+    step: int | None,
+    saver_sources: Callable | None,
+) -> tuple[dict, int]:
+    """``restore_variables`` without ``place``: what ``train`` left in memory, else disk."""
 
     def sources() -> dict[str, str] | None:
         # The scaffold_fn model_fn last returned in this mode (a cached trace records no spec).
         scaffold_fn = programs.model.scaffold_fns.get(mode)
         return None if saver_sources is None else saver_sources(scaffold_fn)
 
-    model_dir, step = ckpt_lib.resolve_path(checkpoint_path, store.model_dir)
-    ckpts = store.reader(model_dir)
     last = store.last
     if last is not None and store.owns(model_dir) and step in (None, last.step):
         if ckpts.newest_step() == last.step:  # the latest checkpoint is what we hold
@@ -169,11 +249,11 @@ def restore_variables(
 
 
 def _averaged(variables: dict, shadow: dict | None, step: int) -> dict:
-    """``variables`` with params replaced by an ``ExponentialMovingAverage(use_for_eval=True)``'s
-    shadow (``{param name: array}``, None: unchanged), placed as the params are."""
+    """``variables`` with the averaged ones replaced by an ``ExponentialMovingAverage(
+    use_for_eval=True)``'s shadow (``{variable name: array}``: params, and BatchNorm
+    statistics under ``ema.apply(var_list)``; None: unchanged), placed as they are."""
     if not shadow:
         return variables
-    params, rest = split_params(variables)
     log.info("Using the moving averages of the parameters (step %d) for this run", step)
 
     def place(name: str, raw: Any) -> Any:
@@ -182,5 +262,6 @@ def _averaged(variables: dict, shadow: dict | None, step: int) -> dict:
             value = value.astype(raw.dtype, copy=False)
         return jax.device_put(value, raw.sharding)
 
-    averaged = {n: place(n, raw) for n, raw in variables_lib.named_variables(params).items()}
-    return {"params": variables_lib.unflatten_into({"params": params}, averaged)["params"], **rest}
+    named = variables_lib.flatten(variables)
+    averaged = {n: place(n, x) for n, x in named.items() if n in shadow}
+    return variables_lib.unflatten_into(variables, averaged)

@@ -40,6 +40,9 @@ class StateStore:
         self._keep = keep_checkpoint_max
         self._writer: ckpt_lib.Checkpoints | None = None
         self._last: LastState | None = None
+        # Evaluate's or predict's variables of one checkpoint, placed for their loops
+        # (``io/restore.py: Placed``): the next call of the same checkpoint reuses them.
+        self.placed: Any = None
 
     def writer(self) -> ckpt_lib.Checkpoints:
         """The one checkpoint writer of this model_dir (created on first use)."""
@@ -68,8 +71,10 @@ class StateStore:
         self._last = last
 
     def forget(self) -> None:
-        """Drops the in-memory state (it is about to be donated to a compiled loop)."""
+        """Drops the in-memory state (it is about to be donated to a compiled loop), and the
+        variables evaluate kept: training needs the memory, and the next checkpoint differs."""
         self._last = None
+        self.placed = None
 
     def latest_checkpoint(self) -> str | None:
         """The directory of the newest complete checkpoint, or None."""

@@ -109,3 +109,53 @@ def test_tfs_batch_normalization_filter_leaves_flax_batch_norms_out(tmp_path):
     assert kept["gamma"] == ["BatchNorm_0/scale:0", "Discriminator/d_bn1/scale:0"]
     assert kept["beta"] == ["BatchNorm_0/bias:0", "Discriminator/d_bn1/bias:0"]
     assert kept["re"] == []  # only ``in`` sees TF's names; the text is the checkpoint's
+
+
+def test_global_variables_and_collections_name_batch_norm_statistics_as_tf(tmp_path):
+    """Issue 41 item 7: EfficientNet's ``get_ema_vars()`` reads ``tf.global_variables()``
+    for ``moving_mean`` / ``moving_variance`` and ``tf.get_collection('moving_vars')``."""
+    seen: dict = {}
+
+    def model_fn(features, labels, mode, params):
+        x = nn.BatchNorm(use_running_average=False)(nn.Dense(8, name="hidden")(features["x"]))
+        with estimator.variable_scope("Discriminator"):
+            x = nn.BatchNorm(use_running_average=False, name="d_bn1")(x)
+        logits = nn.Dense(3, name="out")(x)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        every = estimator.global_variables()
+        seen["global"] = [str(v.name) for v in every]
+        seen["stats"] = [
+            str(v.name) for v in every if "moving_mean" in v.name or "moving_variance" in v.name
+        ]
+        seen["moving_vars"] = [str(v.name) for v in estimator.get_collection("moving_vars")]
+        seen["scoped"] = [str(v.name) for v in estimator.global_variables("Discriminator")]
+        seen["trainable"] = [
+            str(v.name) for v in estimator.get_collection(estimator.GraphKeys.TRAINABLE_VARIABLES)
+        ]
+        seen["update_ops"] = estimator.get_collection(estimator.GraphKeys.UPDATE_OPS)
+        return estimator.TPUEstimatorSpec(mode, loss=loss, train_op=optax.sgd(0.1))
+
+    est = h.make_estimator(tmp_path, model_fn, use_tpu=False)
+    est.train(h.train_input_fn(X, Y), max_steps=1)
+    stats = [
+        "batch_stats/BatchNorm_0/mean:0",
+        "batch_stats/BatchNorm_0/var:0",
+        "batch_stats/Discriminator/d_bn1/mean:0",
+        "batch_stats/Discriminator/d_bn1/var:0",
+    ]
+    assert seen["global"] == seen["trainable"] + stats
+    assert seen["stats"] == seen["moving_vars"] == stats
+    assert {f"{n[:-2]}" for n in seen["global"]} == set(est.get_variable_names()) - {"global_step"}
+    assert seen["scoped"] == [
+        "Discriminator/d_bn1/bias:0",
+        "Discriminator/d_bn1/scale:0",
+        *stats[2:],
+    ]
+    assert seen["update_ops"] == []
+
+
+def test_an_unknown_collection_is_named():
+    with pytest.raises(ValueError, match="get_collection\\('losses'\\)"):
+        estimator.get_collection("losses")
+    with pytest.raises(RuntimeError, match="inside model_fn"):
+        estimator.global_variables()

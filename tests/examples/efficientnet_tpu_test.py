@@ -57,6 +57,11 @@ def test_efficientnet_port_trains_evaluates_keeps_the_best_and_exports(tmp_path,
             f"--export_dir={tmp_path / 'export'}",
         )
     assert eval_results["global_step"] == TRAIN_STEPS
+    # The moving averages of the weights and of BatchNorm's statistics (utils.get_ema_vars),
+    # which evaluation reads through Saver(ema.variables_to_restore(ema_vars)).
+    names = est.get_variable_names()
+    assert "stem_conv/kernel/ExponentialMovingAverage" in names
+    assert "batch_stats/batch_normalization/var/ExponentialMovingAverage" in names
     messages = [r.getMessage() for r in caplog.records]
     assert sum("session_config ignored" in m for m in messages) == 2  # once per run
     assert any("TPUEstimator(export_to_tpu=False) ignored" in m for m in messages)

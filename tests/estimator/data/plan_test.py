@@ -75,11 +75,52 @@ def test_calls_per_loop_within_the_staging_budget(
     assert all(t & (t - 1) == 0 for t in tail) and tail == sorted(set(tail), reverse=True)
 
 
+@pytest.mark.parametrize("ipl", [1, 7, 100, 1000])
+@pytest.mark.parametrize("fit", [1, 3, 64, 300, 5000])
+def test_steps_per_call_fits_the_budget_and_spreads_the_loop_evenly(fit, ipl):
+    """Over a grid of budgets (``fit`` steps) and loops, beyond the written-out rows above."""
+    k = plan.steps_per_call(budget=fit * 10, step_bytes=10, iterations_per_loop=ipl)
+    assert 1 <= k <= max(1, min(fit, ipl))
+    calls = plan.calls_per_loop(ipl, k, exact_tail=True)
+    assert sum(calls) == ipl and max(calls) - min(calls) <= (k if len(calls) > 1 else 0)
+    fewest = -(-ipl // min(fit, ipl))
+    if ipl % k == 0:  # one call length: at most a quarter more calls than the fewest
+        assert len(calls) <= fewest + fewest // 4
+    else:  # an even split: as few calls as the budget allows
+        assert len(calls) == fewest
+
+
+def test_eval_call_lengths_are_few_whatever_the_tail():
+    k = 8
+    lengths = {c for n in range(1, 200) for c in plan.calls_per_loop(n, k, exact_tail=False)}
+    assert lengths == {1, 2, 4, 8}
+
+
+@pytest.mark.parametrize(
+    "configured, platform, devices, mode, per_device",
+    [
+        (None, "tpu", 8, "train", 256 * 2**20),
+        (None, "gpu", 1, "train", 256 * 2**20),
+        (None, "tpu", 8, "eval", 256 * 2**20),
+        (None, "cpu", 1, "train", 2 * 2**20),
+        (None, "cpu", 8, "train", 2**18),  # simulated devices share the host's memory
+        (None, "cpu", 8, "infer", 2**18),
+        (None, "cpu", 8, "eval", 2**20),  # evaluation fetches every call's outputs
+        (3000, "cpu", 8, "eval", 3000),  # a configured budget is per device everywhere
+        (3000, "tpu", 8, "train", 3000),
+    ],
+)
+def test_default_budget_depends_on_the_platform(configured, platform, devices, mode, per_device):
+    got = plan.input_budget(configured, platform=platform, local_devices=devices, mode=mode)
+    assert got == per_device
+
+
 @pytest.mark.parametrize(
     "fit, ipl, loops",
     [
         (1, 1, 1),  # one step fits: one loop
         (9, 10, 1),  # less than a loop fits: still one
+        (15, 10, 1),  # 1.5 loops fit: whole loops only
         (20, 10, 2),
         (35, 10, 3),  # 3.5 loops fit: whole loops only
         (80, 10, 8),
@@ -122,11 +163,40 @@ def test_plan_calls_marks_where_each_loop_ends(loops, k, exact_tail, merge, expe
     assert all(c.ends_loop == bool(c.loop_ends) for c in calls)  # ends sit at a call's end
 
 
+@pytest.mark.parametrize(
+    "loops, merge, expected",
+    [
+        ([4] * 7, 3, [12, 12, 4]),  # two merged calls, one whole loop left
+        ([4] * 6 + [3], 3, [12, 12, 2, 1]),  # a short last loop: powers of two
+        ([4] * 2 + [1], 3, [4, 4, 1]),  # fewer loops than a merged call
+        ([4] * 5, 1, [4] * 5),  # no merging
+    ],
+)
+def test_eval_calls_merge_whole_loops(loops, merge, expected):
+    calls = _calls(loops, k=4, exact_tail=False, merge=merge)
+    assert [c.steps for c in calls] == expected
+    assert sum(c.steps for c in calls) == sum(loops)
+
+
+@pytest.mark.parametrize(
+    "n, loop, expected", [(35, 10, [10, 10, 10, 4, 1]), (7, 10, [4, 2, 1]), (20, 10, [10, 10])]
+)
+def test_a_call_cut_short_splits_into_whole_loops_then_powers_of_two(n, loop, expected):
+    assert plan.split_steps(n, loop) == expected
+
+
 def test_plan_calls_stops_at_the_first_empty_loop():
     assert _calls([], k=4, exact_tail=True) == []
     it = iter([2, -1, 5])
     calls = list(plan.plan_calls(lambda: next(it), k=4, exact_tail=True))
     assert [c.steps for c in calls] == [2]  # a negative count ends the plan, 5 is never read
+
+
+@pytest.mark.parametrize(
+    "n, expected", [(0, []), (1, [1]), (7, [4, 2, 1]), (13, [8, 4, 1]), (16, [16])]
+)
+def test_powers_of_two_written_out(n, expected):
+    assert plan.powers_of_two(n) == expected
 
 
 @pytest.mark.parametrize("n", range(0, 70))

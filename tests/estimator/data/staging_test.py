@@ -4,7 +4,6 @@ Each test compares against an independent run (a budget that fits the whole loop
 count the test derives itself (batches in the input, rows per step).
 """
 
-import doctest
 import threading
 
 import flax.linen as nn
@@ -16,10 +15,8 @@ import pytest
 
 import estimator
 import hooks as hooks_lib
-from estimator.data import plan
 from estimator.driver import dispatch
 from estimator.engine import tails
-from estimator.engine.programs import Programs
 from tests import helpers as h
 
 BATCH = 16  # 8 replicas x 2 rows
@@ -38,94 +35,6 @@ def _count_compiles() -> list[str]:
         _listening.append(True)
     _compiles.clear()
     return _compiles
-
-
-def test_docstring_examples():
-    for module in (plan, dispatch):
-        assert doctest.testmod(module).failed == 0
-
-
-@pytest.mark.parametrize(
-    "n, expected", [(0, []), (1, [1]), (13, [8, 4, 1]), (16, [16]), (7, [4, 2, 1])]
-)
-def test_powers_of_two_sum_to_n(n, expected):
-    assert plan.powers_of_two(n) == expected
-    assert sum(plan.powers_of_two(n)) == n
-
-
-def test_steps_per_call_fits_the_budget_and_spreads_the_loop_evenly():
-    for ipl in (1, 7, 100, 1000):
-        for fit in (1, 3, 64, 300, 5000):
-            k = plan.steps_per_call(budget=fit * 10, step_bytes=10, iterations_per_loop=ipl)
-            assert 1 <= k <= max(1, min(fit, ipl))
-            calls = plan.calls_per_loop(ipl, k, exact_tail=True)
-            assert sum(calls) == ipl and max(calls) - min(calls) <= (k if len(calls) > 1 else 0)
-            fewest = -(-ipl // min(fit, ipl))
-            if ipl % k == 0:  # one call length: at most a quarter more calls than the fewest
-                assert len(calls) <= fewest + fewest // 4
-            else:  # an even split: as few calls as the budget allows
-                assert len(calls) == fewest
-    # IPL 1000 with room for 21 steps: 50 calls of 20 (one program), not 47 of 21 and a 13.
-    assert plan.steps_per_call(budget=21, step_bytes=1, iterations_per_loop=1000) == 20
-    assert plan.steps_per_call(budget=300, step_bytes=1, iterations_per_loop=1000) == 250
-    # A budget below one step still runs one step per call.
-    assert plan.steps_per_call(budget=1, step_bytes=10**9, iterations_per_loop=50) == 1
-
-
-@pytest.mark.parametrize(
-    "configured, platform, devices, mode, per_device",
-    [
-        (None, "tpu", 8, "train", 256 * 2**20),
-        (None, "gpu", 1, "train", 256 * 2**20),
-        (None, "tpu", 8, "eval", 256 * 2**20),
-        (None, "cpu", 1, "train", 2 * 2**20),
-        (None, "cpu", 8, "train", 2**18),  # simulated devices share the host's memory
-        (None, "cpu", 8, "infer", 2**18),
-        (None, "cpu", 8, "eval", 2**20),  # evaluation fetches every call's outputs
-        (3000, "cpu", 8, "eval", 3000),  # a configured budget is per device everywhere
-        (3000, "tpu", 8, "train", 3000),
-    ],
-)
-def test_default_budget_depends_on_the_platform(configured, platform, devices, mode, per_device):
-    got = plan.input_budget(configured, platform=platform, local_devices=devices, mode=mode)
-    assert got == per_device
-
-
-@pytest.mark.parametrize(
-    "fit, ipl, merge", [(1, 1, 1), (15, 10, 1), (20, 10, 2), (35, 10, 3), (10_000, 1, 8)]
-)
-def test_loops_per_call_fits_the_budget_and_is_bounded(fit, ipl, merge):
-    got = plan.loops_per_call(budget=fit * 10, step_bytes=10, iterations_per_loop=ipl)
-    assert got == merge
-
-
-@pytest.mark.parametrize(
-    "loops, merge, expected",
-    [
-        ([4] * 7, 3, [12, 12, 4]),  # two merged calls, one whole loop left
-        ([4] * 6 + [3], 3, [12, 12, 2, 1]),  # a short last loop: powers of two
-        ([4] * 2 + [1], 3, [4, 4, 1]),  # fewer loops than a merged call
-        ([4] * 5, 1, [4] * 5),  # no merging
-    ],
-)
-def test_eval_calls_merge_whole_loops(loops, merge, expected):
-    it = iter([*loops, 0])
-    calls = list(plan.plan_calls(lambda: next(it), k=4, exact_tail=False, merge=merge))
-    assert [c.steps for c in calls] == expected
-    assert sum(c.steps for c in calls) == sum(loops)
-
-
-@pytest.mark.parametrize(
-    "n, loop, expected", [(35, 10, [10, 10, 10, 4, 1]), (7, 10, [4, 2, 1]), (20, 10, [10, 10])]
-)
-def test_a_call_cut_short_splits_into_whole_loops_then_powers_of_two(n, loop, expected):
-    assert plan.split_steps(n, loop) == expected
-
-
-def test_eval_call_lengths_are_few_whatever_the_tail():
-    k = 8
-    lengths = {c for n in range(1, 200) for c in plan.calls_per_loop(n, k, exact_tail=False)}
-    assert lengths == {1, 2, 4, 8}
 
 
 def test_config_validates_the_budget():
@@ -432,22 +341,3 @@ def test_unrolled_evaluation_and_prediction_run_one_loop_per_call(tmp_path, monk
     calls = _spy_calls(monkeypatch)
     assert len(list(rolled.predict(h.eval_input_fn(x)))) == len(x)
     assert calls[-1] == [2] * 10
-
-
-@pytest.mark.parametrize(
-    "unroll, backend, ipl, expected",
-    [
-        (None, "cpu", 10, {"train": True, "eval": False, "infer": False}),
-        (None, "cpu", 11, {"train": False, "eval": False, "infer": False}),
-        (None, "tpu", 10, {"train": False, "eval": False, "infer": False}),
-        (True, "cpu", 100, {"train": True, "eval": True, "infer": True}),
-        (False, "cpu", 1, {"train": False, "eval": False, "infer": False}),
-    ],
-)
-def test_unroll_loops_none_unrolls_only_short_training_loops_on_cpu(
-    tmp_path, monkeypatch, unroll, backend, ipl, expected
-):
-    cfg = h.config(tmp_path, iterations_per_loop=ipl, tpu={"unroll_loops": unroll})
-    programs = Programs(model=None, mesh=None, config=cfg)  # only the config is read
-    monkeypatch.setattr(jax, "default_backend", lambda: backend)
-    assert {m: programs.unrolled(m) for m in expected} == expected

@@ -40,8 +40,11 @@ BUDGETS = [
     (10, 7, None, (), 4, 17, "steps", "steps=7"),
     (10, 7, 15, (), 4, 15, "max_steps", "max_steps=15"),  # the nearest wins
     (10, 3, 15, (), 4, 13, "steps", "steps=3"),
+    (10, 3, None, (), 4, 13, "steps", "steps=3"),
     (10, 5, 15, (), 4, 15, "max_steps", "max_steps=15"),  # a tie: the first named wins
     (10, None, 30, (12, 20), 4, 12, "hook", "a hook's planned last step 12"),
+    (10, None, 20, (12,), 4, 12, "hook", "a hook's planned last step 12"),
+    (10, None, 12, (12,), 4, 12, "max_steps", "max_steps=12"),  # a tie with a hook
     (10, 2, None, (12,), 4, 12, "steps", "steps=2"),  # a tie with a hook: steps first
     (0, None, None, (5,), 2, 5, "hook", "a hook's planned last step 5"),
     (0, 8, None, (), 8, 8, "steps", "steps=8"),  # exactly one loop

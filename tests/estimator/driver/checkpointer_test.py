@@ -4,16 +4,17 @@ It saves when due by steps and by seconds, never twice a step, writes the meta w
 input position, and calls listeners around each save. What it wrote is read back with Orbax
 and ``json`` directly (not through ``io/checkpoint.py``). Time is driven through a fake clock
 patched over the module's ``time``: the module has no clock argument to inject one.
+
+The checkpointer is built in one place, ``_make``, and fed in one, ``_trained``: the only
+lines that know its constructor and what it is handed.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
 import types
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,11 +25,47 @@ import pytest
 
 import estimator
 from estimator.driver import checkpointer as checkpointer_lib
-from estimator.driver.checkpointer import Checkpointer, save_then_drain, wait_committed
+from estimator.driver.checkpointer import (
+    Checkpointer,
+    Position,
+    Trained,
+    save_then_drain,
+    wait_committed,
+)
+from estimator.driver.hook_runner import Session
 from estimator.engine.loops import TrainState
 from estimator.io.checkpoint import Checkpoints
 from estimator.io.input_position import PROCESSES_KEY, ROWS_KEY
 from estimator.io.store import StateStore
+from estimator.spec import ModeKeys
+
+_OPEN: list[Checkpoints] = []
+
+
+def _make(tmp_path, listeners=(), *, last_step=None, pulls_per_step=1, rows=None, **cfg):
+    """A checkpointer writing to ``tmp_path``; ``cfg`` goes to ``RunConfig``."""
+    config = estimator.RunConfig(model_dir=str(tmp_path), **cfg)
+    ckpts = Checkpoints(str(tmp_path), max_to_keep=None)
+    _OPEN.append(ckpts)
+    store = StateStore(str(tmp_path), keep_checkpoint_max=None)
+    session = Session(mode=ModeKeys.TRAIN, model_dir=str(tmp_path), global_step=0)
+    return Checkpointer(
+        config,
+        ckpts,
+        store,
+        session,
+        listeners,
+        last_step=last_step,
+        pulls_per_step=pulls_per_step,
+        rows_per_pull=rows,
+    )
+
+
+def _trained(step: int, pulls: int | None = None, input_state=None) -> Trained:
+    """What a loop ending at ``step`` hands on (``pulls`` batches read: ``step`` unless
+    given)."""
+    position = Position(input_pulls=step if pulls is None else pulls, input_state=input_state)
+    return Trained(step, _state(step), position)
 
 
 def _state(step: int) -> TrainState:
@@ -41,18 +78,6 @@ def _state(step: int) -> TrainState:
         rng=jnp.array([0, step], jnp.uint32),
         nonfinite=jnp.int32(step // 4),
     )
-
-
-@dataclasses.dataclass
-class Position:
-    input_pulls: int = 0
-    input_state: Any = None
-
-
-@dataclasses.dataclass
-class Run:
-    state: TrainState
-    position: Position
 
 
 class Clock:
@@ -72,9 +97,6 @@ def clock(monkeypatch):
     return fake
 
 
-_OPEN: list[Checkpoints] = []
-
-
 @pytest.fixture(autouse=True)
 def close_checkpoints():
     """Closes every writer a test made (Orbax's manager keeps threads until closed)."""
@@ -83,21 +105,11 @@ def close_checkpoints():
         _OPEN.pop().close()
 
 
-def _make(tmp_path, listeners=(), *, run=None, **cfg):
-    kw = {"pulls_per_step": cfg.pop("pulls_per_step", 1), "rows_per_pull": cfg.pop("rows", None)}
-    config = estimator.RunConfig(model_dir=str(tmp_path), **cfg)
-    ckpts = Checkpoints(str(tmp_path), max_to_keep=None)
-    _OPEN.append(ckpts)
-    store = StateStore(str(tmp_path), keep_checkpoint_max=None)
-    run = run or Run(_state(0), Position())
-    return Checkpointer(config, ckpts, run, store, listeners, **kw), run
-
-
-def _train_to(saver: Checkpointer, run: Run, steps) -> list[int]:
-    """Advances the run through ``steps`` (loop ends), asking to save after each."""
+def _train_to(saver: Checkpointer, steps) -> list[int]:
+    """Hands the saver each loop end of ``steps``, asking to save after each; returns the
+    steps written."""
     for step in steps:
-        run.state, run.position = _state(step), Position(input_pulls=step)
-        saver.maybe_save(step)
+        saver.maybe_save(_trained(step))
     saver.ckpts.wait()
     return saver.ckpts.steps()
 
@@ -113,8 +125,20 @@ def _train_to(saver: Checkpointer, run: Run, steps) -> list[int]:
     ],
 )
 def test_saves_when_due_by_steps(tmp_path, every, loop_ends, saved):
-    saver, run = _make(tmp_path, save_checkpoints_steps=every)
-    assert _train_to(saver, run, loop_ends) == saved
+    assert _train_to(_make(tmp_path, save_checkpoints_steps=every), loop_ends) == saved
+
+
+@pytest.mark.parametrize(
+    "last_step, loop_ends, saved",
+    [
+        (4, [5, 6, 7, 8], [7]),  # counted from the checkpoint already there
+        (4, [4, 5, 6], []),  # its own step is not written again
+        (None, [1, 2, 3], [3]),  # none yet: counted from step 0
+    ],
+)
+def test_the_step_cadence_counts_from_the_newest_checkpoint(tmp_path, last_step, loop_ends, saved):
+    saver = _make(tmp_path, last_step=last_step, save_checkpoints_steps=3)
+    assert _train_to(saver, loop_ends) == saved
 
 
 @pytest.mark.parametrize(
@@ -129,22 +153,20 @@ def test_saves_when_due_by_steps(tmp_path, every, loop_ends, saved):
 )
 def test_saves_when_due_by_seconds_on_a_fake_clock(tmp_path, clock, every, ticks, saved):
     start = clock.now
-    saver, run = _make(tmp_path, save_checkpoints_secs=every)
+    saver = _make(tmp_path, save_checkpoints_secs=every)
     for step, seconds in ticks:
         clock.now = start + seconds
-        run.state, run.position = _state(step), Position(input_pulls=step)
-        saver.maybe_save(step)
+        saver.maybe_save(_trained(step))
     saver.ckpts.wait()
     assert saver.ckpts.steps() == saved
 
 
 def test_the_default_cadence_is_every_600_seconds(tmp_path, clock):
     start = clock.now
-    saver, run = _make(tmp_path)
+    saver = _make(tmp_path)
     for step, seconds in [(1, 599), (2, 600), (3, 900)]:
         clock.now = start + seconds
-        run.state = _state(step)
-        saver.maybe_save(step)
+        saver.maybe_save(_trained(step))
     saver.ckpts.wait()
     assert saver.ckpts.steps() == [2]
 
@@ -164,8 +186,8 @@ def _values(tree) -> np.ndarray:
 
 
 def test_saved_state_reads_back_with_orbax(tmp_path):
-    saver, run = _make(tmp_path, save_checkpoints_steps=5)
-    _train_to(saver, run, [5])
+    saver = _make(tmp_path, save_checkpoints_steps=5)
+    _train_to(saver, [5])
     variables, train, meta = _read_back(saver.ckpts.path(5))
     want = _state(5)
     assert os.path.basename(saver.ckpts.path(5)) == "model.ckpt-5"  # TF's name
@@ -215,10 +237,10 @@ def test_saved_state_reads_back_with_orbax(tmp_path):
 def test_meta_records_the_input_position(
     tmp_path, step, pulls, pulls_per_step, rows, input_state, expected
 ):
-    run = Run(_state(step), Position(input_pulls=pulls, input_state=input_state))
-    saver, _ = _make(tmp_path, run=run, pulls_per_step=pulls_per_step, rows=rows)
-    assert saver.meta(step) == expected
-    saver.save()  # the step read from the state
+    trained = _trained(step, pulls, input_state)
+    saver = _make(tmp_path, pulls_per_step=pulls_per_step, rows=rows)
+    assert saver.meta(trained) == expected
+    saver.save(trained)
     saver.ckpts.wait()
     _, _, meta = _read_back(saver.ckpts.path(step))
     assert {k: meta[k] for k in expected} == expected
@@ -227,9 +249,10 @@ def test_meta_records_the_input_position(
 
 def test_never_saves_a_step_twice(tmp_path):
     log = []
-    saver, run = _make(tmp_path, [_Listener(log)], save_checkpoints_steps=2)
-    _train_to(saver, run, [1, 2])
-    assert saver.save(2) == saver.ckpts.path(2)  # the end-of-training save of the same step
+    saver = _make(tmp_path, [_Listener(log)], save_checkpoints_steps=2)
+    _train_to(saver, [1, 2])
+    # the end-of-training save of the same step
+    assert saver.save(_trained(2)) == saver.ckpts.path(2)
     saver.ckpts.wait()
     assert saver.ckpts.steps() == [2]
     assert [e[:2] for e in log] == [("before", 2), ("after", 2)]  # listeners once
@@ -240,11 +263,14 @@ class _Listener:
 
     def __init__(self, log: list, *, stop_after: int | None = None, store=None):
         self.log, self.stop_after, self.store = log, stop_after, store
+        self.sessions: list = []
 
     def before_save(self, session, step):
+        self.sessions.append(session)
         self.log.append(("before", step, None))
 
     def after_save(self, session, step):
+        self.sessions.append(session)
         last = None if self.store is None else self.store.last
         seen = None if last is None else (last.step, int(last.state.step), last.meta)
         self.log.append(("after", step, seen))
@@ -253,11 +279,11 @@ class _Listener:
 
 def test_listeners_are_called_around_each_save_and_see_the_saved_state(tmp_path):
     log: list = []
-    saver, run = _make(tmp_path, save_checkpoints_steps=2)
+    saver = _make(tmp_path, save_checkpoints_steps=2)
     saver.listeners = [_Listener(log, store=saver.store), _Listener(log, stop_after=4)]
-    _train_to(saver, run, [2, 3])
+    _train_to(saver, [2, 3])
     assert not saver.stop_requested
-    _train_to(saver, run, [4])
+    _train_to(saver, [4])
     assert saver.stop_requested  # the second listener returned True at step 4
     befores = [e[1] for e in log if e[0] == "before"]
     assert befores == [2, 2, 4, 4]
@@ -268,6 +294,7 @@ def test_listeners_are_called_around_each_save_and_see_the_saved_state(tmp_path)
     kinds = [e[0] for e in log]
     assert kinds == ["before", "before", "after", "after"] * 2
     assert saver.store.last is None  # forgotten: the state goes on to be donated
+    assert all(s is saver.session for listener in saver.listeners for s in listener.sessions)
 
 
 def test_a_listener_error_still_forgets_the_state(tmp_path):
@@ -278,9 +305,9 @@ def test_a_listener_error_still_forgets_the_state(tmp_path):
         def after_save(self, session, step):
             raise RuntimeError("evaluation failed")
 
-    saver, run = _make(tmp_path, [Failing()], save_checkpoints_steps=1)
+    saver = _make(tmp_path, [Failing()], save_checkpoints_steps=1)
     with pytest.raises(RuntimeError, match="evaluation failed"):
-        _train_to(saver, run, [1])
+        _train_to(saver, [1])
     assert saver.store.last is None
 
 
@@ -309,11 +336,10 @@ class _Worker:
     ],
 )
 def test_save_then_drain_commits_first_then_drains(tmp_path, caplog, drained, queued, warned):
-    saver, run = _make(tmp_path, save_checkpoints_steps=100)
-    run.state = _state(7)
+    saver = _make(tmp_path, save_checkpoints_steps=100)
     worker = _Worker(drained, queued)
     with caplog.at_level(logging.WARNING, logger="estimator"):
-        save_then_drain(saver, worker, 7)
+        save_then_drain(saver, worker, _trained(7))
     assert Checkpoints(str(tmp_path), read_only=True).steps() == [7]  # committed on return
     names = [c[0] for c in worker.calls]
     assert names == (["drain", "check"] if drained else ["drain", "cancel", "check"])

@@ -3,7 +3,6 @@ hooks are called in, and the input reopened when an older checkpoint is restored
 
 from __future__ import annotations
 
-import doctest
 import logging
 import os
 import signal
@@ -14,9 +13,6 @@ import pytest
 
 import estimator
 import hooks as hooks_lib
-from estimator.driver import budget as budget_module
-from estimator.driver import job as job_module
-from estimator.driver.budget import StepBudget
 from estimator.driver.job import EndReason, TrainOutcome
 from estimator.driver.training import run_train_loops
 from estimator.spec import ModeKeys
@@ -226,23 +222,3 @@ def test_resuming_from_an_older_checkpoint_reopens_the_input_at_its_position(tmp
     reference = make_job(tmp_path / "reference", ipl=2)  # one uninterrupted run
     _train(reference, max_steps=6)
     h.assert_params_close(_params(job), _params(reference), rtol=1e-6, atol=1e-7)
-
-
-# ----------------------------------------------------------------------------- the budget
-def test_the_budget_takes_the_nearest_target_and_names_it():
-    def of(start, **kw):
-        kw = {"steps": None, "max_steps": None, "hook_targets": (), **kw}
-        return StepBudget.of(start, iterations_per_loop=4, **kw)
-
-    assert of(10, max_steps=15).why == "max_steps=15"
-    assert of(10, steps=3).target == 13 and of(10, steps=3).why == "steps=3"
-    assert of(10, max_steps=20, hook_targets=[12]).why == "a hook's planned last step 12"
-    assert of(10, max_steps=12, hook_targets=[12]).source == "max_steps"  # a tie: max_steps
-    unbounded = of(10)
-    assert unbounded.target is None and not unbounded.reached(10**9)
-    assert [unbounded.next_loop() for _ in range(3)] == [4, 4, 4]
-
-
-def test_docstring_examples():
-    for module in (budget_module, job_module):
-        assert doctest.testmod(module).failed == 0

@@ -68,6 +68,18 @@ DISTRIBUTIONS = {
     ),
     # TF's fans of a vector of n are n and n: limit sqrt(3 / n)
     "GlorotUniform of a vector": (_tf("GlorotUniform"), (2000,), _uniform(math.sqrt(3 / 2000))),
+    # ... in every mode and distribution (TF's _compute_fans: fan_in = fan_out = n)
+    "HeNormal of a vector": (_tf("HeNormal"), (4000,), _truncated(math.sqrt(2 / 4000) / TRUNC_STD)),
+    "VarianceScaling fan_out normal of a vector": (
+        _tf("VarianceScaling", scale=3.0, mode="fan_out", distribution="untruncated_normal"),
+        (4000,),
+        (-math.inf, math.inf, 0.0, math.sqrt(3.0 / 4000)),
+    ),
+    "VarianceScaling fan_avg uniform of a scalar": (
+        _tf("VarianceScaling", scale=0.5, mode="fan_avg", distribution="uniform"),
+        (),
+        _uniform(math.sqrt(3 * 0.5)),
+    ),
 }
 
 
@@ -110,11 +122,6 @@ def _largest_intermediate(init, shape) -> int:
     return max(sizes, default=0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a vector of n is drawn as one row of an (n, n) matrix: n * n values (40 GB for "
-    "a default-initialised get_variable of shape [100000]; out of memory on this machine)",
-)
 @pytest.mark.parametrize("initializer", [None, _tf("GlorotUniform")], ids=["default", "tf"])
 def test_drawing_a_vector_costs_memory_of_the_vector(initializer):
     init, _ = as_initializer(initializer, jnp.float32)

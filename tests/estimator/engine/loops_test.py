@@ -4,6 +4,11 @@ The model is a small MLP with BatchNorm (statistics averaged over the 8 replicas
 with Adam. References: the same loop run one step per call, a hand-written single-device
 optax loop over the global batch, and a single-device Flax ``apply`` for evaluation and
 prediction.
+
+The second part runs the train program as training gets it (``Programs.train`` on a state
+from ``fresh_train_state``), with the options read from the config: k steps in one call
+against k calls, a non-finite step against a run without it, and state split over replicas
+(ZeRO, FSDP) against the replicated run from the same values.
 """
 
 from __future__ import annotations
@@ -14,13 +19,20 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import estimator
 from estimator.engine import loops
 from estimator.engine.model import ModelFn
+from estimator.engine.options import StepOptions
+from estimator.engine.programs import Programs
+from estimator.engine.state import fresh_train_state
 from estimator.parallel.mesh import DATA, make_mesh
 from estimator.runtime import seed_key_data
 from estimator.spec import ModeKeys, TPUEstimatorSpec
+from tests import helpers as h
+from tests.estimator.driver.jobs import make_job
 
 ROWS = 4  # per replica
 STEPS = 3
@@ -89,9 +101,10 @@ def _fresh(setup) -> loops.TrainState:
     )
 
 
-def _train_loop(setup, **kw):
+def _train_loop(setup, **options):
+    """The train loop with ``StepOptions(**options)`` (defaults: float32, replicated)."""
     mesh, model, holder, *_ = setup
-    return loops.make_train_loop(model, mesh, holder, batch_size=ROWS, **kw)
+    return loops.make_train_loop(model, mesh, holder, StepOptions(**options), batch_size=ROWS)
 
 
 def _leaves(state: loops.TrainState) -> list[np.ndarray]:
@@ -234,3 +247,171 @@ def test_predict_loop_returns_predictions_in_row_order(setup):
     np.testing.assert_allclose(
         np.asarray(preds["logits"]), _reference_logits(variables, x), rtol=1e-5, atol=1e-6
     )
+
+
+# ----------------------------------------------------------- through Programs, as training runs
+# The train program as the driver gets it: ``Programs.train`` with the loop options read from
+# the config, the state made by ``fresh_train_state``. One device comes from the driver tests'
+# ``make_job``; eight replicas need a mesh ``make_job`` does not build, so ``_programs``
+# assembles them the same way on ``make_mesh()``.
+
+HIDDEN = 256  # the hidden kernel (6 x 256) is over zero.MIN_SHARDED_SIZE: split under ZeRO
+
+OPTIMIZERS = {
+    # Adam's slots mirror the gradient: a wrong scale or slice of it shows in mu and nu.
+    "adam": optax.adam(LR),
+    # A threshold far below the gradient's norm clips every step: each update then depends on
+    # the norm over every leaf, those split over replicas and those kept whole.
+    "clipped_momentum": optax.chain(optax.clip_by_global_norm(1e-3), optax.sgd(LR, 0.9)),
+}
+
+
+def _mlp_model_fn(features, labels, mode, params):
+    logits = nn.Dense(3, name="out")(nn.relu(nn.Dense(HIDDEN, name="hidden")(features["x"])))
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    tx = OPTIMIZERS[params.get("optimizer", "adam")]
+    return TPUEstimatorSpec(mode, loss=loss, train_op=tx)
+
+
+def _programs(tmp_path, *, replicas: int, optimizer: str = "adam", **cfg) -> Programs:
+    if replicas == 1:
+        return make_job(tmp_path, model_fn=_mlp_model_fn, batch=ROWS, **cfg).programs
+    config = h.config(tmp_path, **cfg)
+    mesh = make_mesh()
+    assert mesh.shape[DATA] == replicas
+    model = ModelFn(_mlp_model_fn, {"optimizer": optimizer}, config)
+    model.num_replicas = replicas
+    return Programs(model, mesh, config)
+
+
+def _batches(replicas: int, *, nan_at: int | None = None) -> tuple[dict, np.ndarray]:
+    """``STEPS`` stacked host batches, with a NaN in one value of step ``nan_at``."""
+    rows = ROWS * replicas
+    x, y = h.make_data(n=STEPS * rows)
+    x = x.reshape(STEPS, rows, -1)
+    if nan_at is not None:
+        x[nan_at, 2, 0] = np.nan
+    return {"x": x}, y.reshape(STEPS, rows)
+
+
+class _Run:
+    """A fresh train state from ``programs`` and the train program for it; ``start()`` gives
+    a new copy of that state each time (the program may donate its input), with ``like``'s
+    values when given."""
+
+    def __init__(self, programs: Programs, *, like: _Run | None = None):
+        self.mesh = programs.mesh
+        state = fresh_train_state(programs, self.place(*_batches(self.mesh.shape[DATA])), ROWS)
+        self.shardings = jax.tree.map(lambda a: a.sharding, state)
+        self.values = jax.device_get(state) if like is None else like.values
+        self.loop = programs.train(ROWS, per_step_flags=programs.per_step_flags(state))
+
+    def place(self, features, labels) -> tuple:
+        """Host batches split over "data", as the input side places them."""
+        return jax.device_put((features, labels), NamedSharding(self.mesh, P(None, DATA)))
+
+    def start(self) -> loops.TrainState:
+        return jax.tree.map(jax.device_put, self.values, self.shardings)
+
+    def __call__(self, state, features, labels, steps=slice(None)):
+        return self.loop(state, *self.place(*jax.tree.map(lambda a: a[steps], (features, labels))))
+
+
+def _assert_states(got: loops.TrainState, want: loops.TrainState, **tol) -> None:
+    got, want = jax.device_get(got), jax.device_get(want)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        if tol:
+            np.testing.assert_allclose(a, b, **tol)
+        else:
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "unroll, tol",
+    [
+        # Rolled, each step runs the one compiled while-loop body: bitwise.
+        (False, {}),
+        # Unrolled, XLA may fuse and reorder across the long call's steps: float tolerance.
+        (True, {"rtol": 1e-5, "atol": 1e-6}),
+    ],
+    ids=["rolled", "unrolled"],
+)
+def test_programs_k_steps_in_one_call_equal_k_calls_of_one_step(tmp_path, unroll, tol):
+    run = _Run(_programs(tmp_path, replicas=1, tpu={"unroll_loops": unroll}))
+    features, labels = _batches(1)
+    together, (losses, _, finite) = run(run.start(), features, labels)
+    state, single = run.start(), []
+    for i in range(STEPS):
+        state, (loss, _, _) = run(state, features, labels, slice(i, i + 1))
+        single.append(np.asarray(loss))
+    assert np.asarray(losses).shape == (STEPS,) and int(together.step) == int(state.step) == STEPS
+    assert np.asarray(finite).all()
+    if tol:
+        np.testing.assert_allclose(np.asarray(losses), np.concatenate(single), rtol=tol["rtol"])
+    else:
+        np.testing.assert_array_equal(np.asarray(losses), np.concatenate(single))
+    _assert_states(together, state, **tol)
+
+
+@pytest.mark.parametrize("skip", [True, False], ids=["skipped", "kept"])
+def test_programs_a_nonfinite_step_is_kept_out_only_when_skipping(tmp_path, skip):
+    """A NaN in step 1's batch: skipping, the state is what steps 0 and 2 alone make, the
+    step still counts and the skip is counted; not skipping, the NaN reaches the params and
+    the call's finite flags say so (what the host checks before a save)."""
+    # Rolled, so the reference's steps run the same while-loop body: bitwise.
+    tpu = {"unroll_loops": False}
+    run = _Run(_programs(tmp_path, replicas=1, skip_nonfinite_steps=skip, tpu=tpu))
+    state, (losses, _, finite) = run(run.start(), *_batches(1, nan_at=1))
+    losses = np.asarray(losses)
+    assert int(state.step) == STEPS
+    if not skip:  # step 2 starts from the poisoned params
+        assert np.isfinite(losses).tolist() == [True, False, False]
+        assert int(state.nonfinite) == 0 and not np.asarray(finite).all()
+        assert not np.isfinite(np.asarray(state.params["out"]["kernel"])).all()
+        return
+    assert np.isfinite(losses).tolist() == [True, False, True]
+    assert np.asarray(finite).all() and int(state.nonfinite) == 1
+    reference, (want, _, _) = run(run.start(), *_batches(1), [0, 2])
+    np.testing.assert_array_equal(losses[[0, 2]], np.asarray(want))
+    assert int(reference.step) == 2 and int(reference.nonfinite) == 0
+    _assert_states(state._replace(step=reference.step, nonfinite=reference.nonfinite), reference)
+
+
+@pytest.fixture(scope="module")
+def replicated_runs(tmp_path_factory):
+    """The replicated 8-replica run of each optimizer, ``(run, its state and losses)``: made
+    once, for both split layouts."""
+    cache = {}
+
+    def get(optimizer: str):
+        if optimizer not in cache:
+            path = tmp_path_factory.mktemp(f"replicated-{optimizer}")
+            run = _Run(_programs(path, replicas=8, optimizer=optimizer))
+            state, (losses, _, _) = run(run.start(), *_batches(8))
+            cache[optimizer] = run, jax.device_get(state), np.asarray(losses)
+        return cache[optimizer]
+
+    return get
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize(
+    "tpu", [{"shard_optimizer_state": True}, {"shard_params": True}], ids=["zero", "fsdp"]
+)
+def test_programs_state_split_over_replicas_trains_as_replicated(
+    tmp_path, replicated_runs, tpu, optimizer
+):
+    """From the same initial values on 8 replicas: the same losses, step, parameters and
+    optimizer slots. Float tolerance: a reduce-scatter sums the replicas' gradients in
+    another order than ``pmean`` does."""
+    replicated, want, want_losses = replicated_runs(optimizer)
+    split = _Run(_programs(tmp_path, replicas=8, optimizer=optimizer, tpu=tpu), like=replicated)
+    got, (got_losses, _, _) = split(split.start(), *_batches(8))
+    split_leaves = [a for a in jax.tree.leaves(got.opt_state) if not a.sharding.is_fully_replicated]
+    assert split_leaves, "no optimizer slot was split over replicas: nothing was compared"
+    kernel = got.params["hidden"]["kernel"]
+    assert kernel.sharding.is_fully_replicated is ("shard_params" not in tpu)
+    assert int(got.step) == STEPS
+    np.testing.assert_allclose(np.asarray(got_losses), want_losses, rtol=1e-6)
+    _assert_states(got, want, rtol=1e-5, atol=1e-6)

@@ -11,12 +11,16 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import estimator
+from estimator.compilation import CompileCounter
 from estimator.engine.model import ModelFn
 from estimator.engine.programs import Programs
+from estimator.engine.state import fresh_train_state
 from estimator.errors import EstimatorValueError
-from estimator.parallel.mesh import make_mesh
+from estimator.parallel.mesh import DATA, make_mesh
+from estimator.runtime import seed_key_data
 from estimator.spec import ModeKeys
 from tests import helpers as h
+from tests.estimator.driver.jobs import make_job
 
 
 def _programs(tmp_path, **tpu) -> Programs:
@@ -41,6 +45,44 @@ def test_each_program_is_built_once_per_kind_and_batch_size(tmp_path):
     assert programs.costs(ModeKeys.EVAL, 2) is not programs.costs(ModeKeys.PREDICT, 2)
 
 
+def _stacked(programs: Programs, steps: int, rows: int) -> tuple:
+    """``(features, labels, mask)`` of ``steps`` stacked batches, placed as the input side
+    places them (split over "data")."""
+    x, y = h.make_data(n=steps * rows)
+    batch = ({"x": x.reshape(steps, rows, -1)}, y.reshape(steps, rows), np.ones((steps, rows)))
+    return jax.device_put(batch, NamedSharding(programs.mesh, P(None, DATA)))
+
+
+def test_a_second_call_of_a_kind_and_batch_compiles_nothing(tmp_path):
+    """Every program a train call and an evaluation and a prediction at one batch size run,
+    called twice: the second round compiles nothing (the first compiles, which shows the
+    counter sees these programs)."""
+    programs = make_job(tmp_path, batch=8).programs
+    features, labels, _ = _stacked(programs, 2, 8)
+    state = fresh_train_state(programs, (features, labels), 8)
+    per_step_flags = programs.per_step_flags(state)
+
+    def one_round():
+        nonlocal state
+        for steps in (2, 1):  # 2: the call compiled ahead with the state; 1: a short tail
+            features, labels, _ = _stacked(programs, steps, 8)
+            loop = programs.train(8, per_step_flags=per_step_flags)
+            state, _ = loop(state, features, labels)
+        variables = {"params": state.params, **state.state}
+        for mode in (ModeKeys.EVAL, ModeKeys.PREDICT):
+            loop = programs.infer(mode, 8)
+            args = (variables, np.int32(0), seed_key_data(0), *_stacked(programs, 2, 8))
+            jax.block_until_ready(loop(*args))
+
+    with CompileCounter() as first:
+        one_round()
+    with CompileCounter() as second:
+        one_round()
+    assert first.compiled >= 3, first.names  # the 1-step train, eval and predict programs
+    assert second.compiled == 0, second.names
+    assert int(state.step) == 6
+
+
 def test_infer_runs_eval_or_predict_only(tmp_path):
     with pytest.raises(EstimatorValueError, match="EVAL or PREDICT"):
         _programs(tmp_path).infer(ModeKeys.TRAIN, 2)
@@ -60,20 +102,24 @@ def test_a_trace_records_the_spec_of_its_mode(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "unroll_loops, mode, ipl, unrolled",
+    "unroll_loops, backend, mode, ipl, unrolled",
     [
-        (None, ModeKeys.TRAIN, 10, True),  # a short CPU training loop: unrolled
-        (None, ModeKeys.TRAIN, 11, False),
-        (None, ModeKeys.EVAL, 4, False),  # forward-only loops stay rolled
-        (None, ModeKeys.PREDICT, 1, False),
-        (True, ModeKeys.EVAL, 100, True),  # a configured value wins everywhere
-        (True, ModeKeys.TRAIN, 1000, True),
-        (False, ModeKeys.TRAIN, 4, False),
+        (None, "cpu", ModeKeys.TRAIN, 10, True),  # a short CPU training loop: unrolled
+        (None, "cpu", ModeKeys.TRAIN, 11, False),
+        (None, "tpu", ModeKeys.TRAIN, 10, False),  # the CPU rule is for CPU only
+        (None, "cpu", ModeKeys.EVAL, 4, False),  # forward-only loops stay rolled
+        (None, "cpu", ModeKeys.PREDICT, 1, False),
+        (True, "cpu", ModeKeys.EVAL, 100, True),  # a configured value wins everywhere
+        (True, "cpu", ModeKeys.PREDICT, 100, True),
+        (True, "cpu", ModeKeys.TRAIN, 1000, True),
+        (False, "cpu", ModeKeys.TRAIN, 1, False),
     ],
 )
-def test_unrolled_follows_the_config_then_the_cpu_rule(tmp_path, unroll_loops, mode, ipl, unrolled):
-    assert jax.default_backend() == "cpu"
+def test_unrolled_follows_the_config_then_the_cpu_rule(
+    tmp_path, monkeypatch, unroll_loops, backend, mode, ipl, unrolled
+):
     programs = _programs(tmp_path, unroll_loops=unroll_loops, iterations_per_loop=ipl)
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
     assert programs.unrolled(mode) is unrolled
 
 
