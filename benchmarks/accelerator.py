@@ -63,7 +63,7 @@ from jax.sharding import PartitionSpec as P
 import estimator
 from benchmarks import _common as C
 from benchmarks import _workloads as W
-from estimator import compilation
+from estimator.core import compilation
 from estimator.driver import progress, throughput
 from models import mlp, resnet, transformer
 

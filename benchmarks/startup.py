@@ -47,7 +47,7 @@ def batch(quick: bool) -> int:
 
 
 def _enable_cache(cache_dir: str) -> None:
-    """What ``RunConfig(compilation_cache_dir=...)`` does (estimator/runtime.py)."""
+    """What ``RunConfig(compilation_cache_dir=...)`` does (estimator/core/runtime.py)."""
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -36,7 +36,7 @@ import numpy as np
 
 import hooks
 from benchmarks import _common as C
-from estimator.compilation import CompileCounter
+from estimator.core.compilation import CompileCounter
 
 TF_PYTHON_ENV = "TPU_ESTIMATOR_TF_PYTHON"
 BATCH, IPL, HIDDEN, LEARNING_RATE = 64, 4, 64, 1e-3

@@ -13,7 +13,7 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
-from ._compat import root_logging_untouched
+from .core._compat import root_logging_untouched
 
 # The public names are imported on first use (PEP 562), not here: importing JAX takes
 # seconds, and the command line (estimator.cli) must answer `--help` or report a mistyped
@@ -21,23 +21,23 @@ from ._compat import root_logging_untouched
 # `estimator.summary` work as if everything had been imported eagerly.
 _EXPORTS = {
     ".cluster.cluster": ("TPUClusterResolver",),
-    ".config": ("InputPipelineConfig", "RunConfig", "TPUConfig"),
-    ".context": ("get_global_step", "get_or_create_global_step", "padding_mask"),
-    ".cross_shard_optimizer": ("CrossShardOptimizer",),
+    ".core.config": ("InputPipelineConfig", "RunConfig", "TPUConfig"),
+    ".core.context": ("get_global_step", "get_or_create_global_step", "padding_mask"),
+    ".parallel.cross_shard_optimizer": ("CrossShardOptimizer",),
     ".engine.multi_loss": ("group", "minimize"),
     ".engine.scopes": ("AUTO_REUSE", "get_variable", "variable_scope"),
     ".engine.traced": ("TracedValueError",),
     ".driver.preemption": ("Preempted",),
-    ".errors": (
+    ".core.errors": (
         "CheckpointError",
         "CheckpointMismatchError",
         "EstimatorError",
         "NanLossDuringTrainingError",
         "NoCheckpointError",
     ),
-    ".export_output": ("ClassificationOutput", "PredictOutput", "RegressionOutput"),
+    ".core.export_output": ("ClassificationOutput", "PredictOutput", "RegressionOutput"),
     ".exporters": ("BestExporter", "Exporter", "FinalExporter", "LatestExporter"),
-    ".input_context": ("InputContext",),
+    ".core.input_context": ("InputContext",),
     ".io.export": ("build_raw_serving_input_receiver_fn", "load_saved_model"),
     ".io.checkpoint_utils": (
         "_load_global_step_from_checkpoint_dir",  # TF's private name, kept for ported mains
@@ -50,21 +50,26 @@ _EXPORTS = {
     ".io.inference": ("rewrite_for_inference", "validate_inference_rewrite_for_variables"),
     ".io.lock": ("ModelDirInUseError",),
     ".io.variables": ("name_mask", "named_variables"),
-    ".moving_average": ("ExponentialMovingAverage", "control_dependencies"),
+    ".weights.moving_average": ("ExponentialMovingAverage", "control_dependencies"),
     ".parallel.outside_compilation": ("outside_compilation",),
     ".parallel.replica_context": ("ReduceOp", "get_replica_context"),
-    ".saver": ("Saver",),
-    ".scaffold": ("Scaffold", "WarmStartSettings", "init_from_checkpoint"),
-    ".spec": ("EstimatorSpec", "ModeKeys", "TPUEstimatorSpec"),
+    ".core.saver": ("Saver",),
+    ".weights.scaffold": ("Scaffold", "WarmStartSettings", "init_from_checkpoint"),
+    ".core.spec": ("EstimatorSpec", "ModeKeys", "TPUEstimatorSpec"),
     ".strategy.device_assignment": ("DeviceAssignment",),
     ".strategy.strategy": ("PerReplica", "TPUStrategy", "get_strategy"),
     ".tpu_estimator": ("TPUEstimator",),
-    ".trainable": ("GraphKeys", "get_collection", "global_variables", "trainable_variables"),
+    ".weights.trainable": (
+        "GraphKeys",
+        "get_collection",
+        "global_variables",
+        "trainable_variables",
+    ),
     ".train_and_evaluate": ("EvalSpec", "TrainSpec", "train_and_evaluate"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
-# Submodules that are public names themselves (``estimator.summary.scalar``).
-_SUBMODULES = ("export", "summary")
+# Submodules that are public names themselves (``estimator.summary.scalar``), and where they live.
+_SUBMODULES = {"export": ".export", "summary": ".core.summary"}
 # Derived from the table: one list of public names (the TYPE_CHECKING block at the end must
 # import the same names from the same modules; tests/estimator/architecture_test.py checks it).
 # A TF private name kept for ported code (``_load_global_step_from_checkpoint_dir``) resolves
@@ -81,7 +86,7 @@ def __getattr__(name: str) -> Any:
             value = getattr(importlib.import_module(_MODULE_OF[name], __name__), name)
         else:
             try:
-                value = importlib.import_module(f".{name}", __name__)
+                value = importlib.import_module(_SUBMODULES.get(name, f".{name}"), __name__)
             except ModuleNotFoundError as e:
                 if e.name != f"{__name__}.{name}":
                     raise
@@ -112,15 +117,27 @@ sys.modules[__name__].__class__ = _Package
 
 if TYPE_CHECKING:  # _EXPORTS spelled out for type checkers (``X as X``: re-exported)
     from . import export as export
-    from . import summary as summary
     from .cluster.cluster import TPUClusterResolver as TPUClusterResolver
-    from .config import InputPipelineConfig as InputPipelineConfig
-    from .config import RunConfig as RunConfig
-    from .config import TPUConfig as TPUConfig
-    from .context import get_global_step as get_global_step
-    from .context import get_or_create_global_step as get_or_create_global_step
-    from .context import padding_mask as padding_mask
-    from .cross_shard_optimizer import CrossShardOptimizer as CrossShardOptimizer
+    from .core import summary as summary
+    from .core.config import InputPipelineConfig as InputPipelineConfig
+    from .core.config import RunConfig as RunConfig
+    from .core.config import TPUConfig as TPUConfig
+    from .core.context import get_global_step as get_global_step
+    from .core.context import get_or_create_global_step as get_or_create_global_step
+    from .core.context import padding_mask as padding_mask
+    from .core.errors import CheckpointError as CheckpointError
+    from .core.errors import CheckpointMismatchError as CheckpointMismatchError
+    from .core.errors import EstimatorError as EstimatorError
+    from .core.errors import NanLossDuringTrainingError as NanLossDuringTrainingError
+    from .core.errors import NoCheckpointError as NoCheckpointError
+    from .core.export_output import ClassificationOutput as ClassificationOutput
+    from .core.export_output import PredictOutput as PredictOutput
+    from .core.export_output import RegressionOutput as RegressionOutput
+    from .core.input_context import InputContext as InputContext
+    from .core.saver import Saver as Saver
+    from .core.spec import EstimatorSpec as EstimatorSpec
+    from .core.spec import ModeKeys as ModeKeys
+    from .core.spec import TPUEstimatorSpec as TPUEstimatorSpec
     from .driver.preemption import Preempted as Preempted
     from .engine.multi_loss import group as group
     from .engine.multi_loss import minimize as minimize
@@ -128,19 +145,10 @@ if TYPE_CHECKING:  # _EXPORTS spelled out for type checkers (``X as X``: re-expo
     from .engine.scopes import get_variable as get_variable
     from .engine.scopes import variable_scope as variable_scope
     from .engine.traced import TracedValueError as TracedValueError
-    from .errors import CheckpointError as CheckpointError
-    from .errors import CheckpointMismatchError as CheckpointMismatchError
-    from .errors import EstimatorError as EstimatorError
-    from .errors import NanLossDuringTrainingError as NanLossDuringTrainingError
-    from .errors import NoCheckpointError as NoCheckpointError
-    from .export_output import ClassificationOutput as ClassificationOutput
-    from .export_output import PredictOutput as PredictOutput
-    from .export_output import RegressionOutput as RegressionOutput
     from .exporters import BestExporter as BestExporter
     from .exporters import Exporter as Exporter
     from .exporters import FinalExporter as FinalExporter
     from .exporters import LatestExporter as LatestExporter
-    from .input_context import InputContext as InputContext
     from .io.checkpoint_utils import (
         _load_global_step_from_checkpoint_dir as _load_global_step_from_checkpoint_dir,
     )
@@ -160,18 +168,10 @@ if TYPE_CHECKING:  # _EXPORTS spelled out for type checkers (``X as X``: re-expo
     from .io.lock import ModelDirInUseError as ModelDirInUseError
     from .io.variables import name_mask as name_mask
     from .io.variables import named_variables as named_variables
-    from .moving_average import ExponentialMovingAverage as ExponentialMovingAverage
-    from .moving_average import control_dependencies as control_dependencies
+    from .parallel.cross_shard_optimizer import CrossShardOptimizer as CrossShardOptimizer
     from .parallel.outside_compilation import outside_compilation as outside_compilation
     from .parallel.replica_context import ReduceOp as ReduceOp
     from .parallel.replica_context import get_replica_context as get_replica_context
-    from .saver import Saver as Saver
-    from .scaffold import Scaffold as Scaffold
-    from .scaffold import WarmStartSettings as WarmStartSettings
-    from .scaffold import init_from_checkpoint as init_from_checkpoint
-    from .spec import EstimatorSpec as EstimatorSpec
-    from .spec import ModeKeys as ModeKeys
-    from .spec import TPUEstimatorSpec as TPUEstimatorSpec
     from .strategy.device_assignment import DeviceAssignment as DeviceAssignment
     from .strategy.strategy import PerReplica as PerReplica
     from .strategy.strategy import TPUStrategy as TPUStrategy
@@ -180,7 +180,12 @@ if TYPE_CHECKING:  # _EXPORTS spelled out for type checkers (``X as X``: re-expo
     from .train_and_evaluate import EvalSpec as EvalSpec
     from .train_and_evaluate import TrainSpec as TrainSpec
     from .train_and_evaluate import train_and_evaluate as train_and_evaluate
-    from .trainable import GraphKeys as GraphKeys
-    from .trainable import get_collection as get_collection
-    from .trainable import global_variables as global_variables
-    from .trainable import trainable_variables as trainable_variables
+    from .weights.moving_average import ExponentialMovingAverage as ExponentialMovingAverage
+    from .weights.moving_average import control_dependencies as control_dependencies
+    from .weights.scaffold import Scaffold as Scaffold
+    from .weights.scaffold import WarmStartSettings as WarmStartSettings
+    from .weights.scaffold import init_from_checkpoint as init_from_checkpoint
+    from .weights.trainable import GraphKeys as GraphKeys
+    from .weights.trainable import get_collection as get_collection
+    from .weights.trainable import global_variables as global_variables
+    from .weights.trainable import trainable_variables as trainable_variables

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import EstimatorValueError
-from .export_output import ClassificationOutput, PredictOutput, RegressionOutput
+from .core.errors import EstimatorValueError
+from .core.export_output import ClassificationOutput, PredictOutput, RegressionOutput
 from .io import tf_serving_input as tf_serving_input_lib
 from .io.export import build_raw_serving_input_receiver_fn
 

@@ -39,7 +39,7 @@ import jax
 from hooks import event_reader
 
 from . import storage
-from .errors import EstimatorRuntimeError, EstimatorTypeError, EstimatorValueError
+from .core.errors import EstimatorRuntimeError, EstimatorTypeError, EstimatorValueError
 from .io.export import export_versions
 
 log = logging.getLogger("estimator")

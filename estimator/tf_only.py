@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from .errors import EstimatorValueError
+from .core.errors import EstimatorValueError
 
 log = logging.getLogger("estimator")
 

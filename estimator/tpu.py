@@ -18,9 +18,9 @@ Example:
 
 from __future__ import annotations
 
-from .config import InputPipelineConfig, RunConfig, TPUConfig
+from .core.config import InputPipelineConfig, RunConfig, TPUConfig
+from .core.spec import TPUEstimatorSpec
 from .engine.precision import bfloat16_scope
-from .spec import TPUEstimatorSpec
 from .tpu_estimator import TPUEstimator
 
 __all__ = [

@@ -22,9 +22,11 @@ import numpy as np
 
 from hooks.base import as_hook_list
 
-from . import runtime
 from .cluster.cluster import start_cluster
-from .config import RunConfig, TPUConfig
+from .core import runtime
+from .core.config import RunConfig, TPUConfig
+from .core.errors import EstimatorTypeError, EstimatorValueError, NoCheckpointError
+from .core.spec import ModeKeys
 from .data.feeder import Feeder
 from .data.layout import batch_layouts
 from .driver.evaluation import run_eval_loops
@@ -34,14 +36,12 @@ from .driver.prediction import checked_predict_keys, run_predict_loops
 from .driver.training import check_steps, run_train_loops
 from .engine.model import ModelFn, user_params
 from .engine.programs import Programs
-from .errors import EstimatorTypeError, EstimatorValueError, NoCheckpointError
 from .io import checkpoint as ckpt_lib
 from .io import step_names
 from .io.checkpoint_utils import load_variable
 from .io.store import StateStore
 from .parallel import multihost
 from .parallel.mesh import make_mesh, num_replicas, single_device_mesh
-from .spec import ModeKeys
 from .tf_only import tf_only_arguments
 
 log = logging.getLogger("estimator")

@@ -33,8 +33,8 @@ import hooks as hooks_lib
 
 from . import exporters as exporters_lib
 from . import storage
+from .core.errors import EstimatorRuntimeError, EstimatorTypeError, EstimatorValueError
 from .driver import preemption
-from .errors import EstimatorRuntimeError, EstimatorTypeError, EstimatorValueError
 from .parallel import multihost
 
 log = logging.getLogger("estimator")

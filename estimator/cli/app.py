@@ -32,7 +32,7 @@ from typing import IO, Any
 import numpy as np
 
 from .. import storage
-from ..errors import CheckpointMismatchError, EstimatorError, NoCheckpointError
+from ..core.errors import CheckpointMismatchError, EstimatorError, NoCheckpointError
 from . import checks, configs, usage
 from .usage import PROG, Invocation, UsageError
 

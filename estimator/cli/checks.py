@@ -3,7 +3,7 @@
 Importing JAX and building the estimator takes seconds (tens of seconds on a loaded
 machine); a user's mistake should not wait for it. ``check_job`` looks at the job config and
 the paths with the standard library only: the run and TPU config fields (``RunConfig`` /
-``TPUConfig`` validate them; ``estimator.config`` imports no JAX), batch sizes, ``max_steps``
+``TPUConfig`` validate them; ``estimator.core.config`` imports no JAX), batch sizes, ``max_steps``
 and whether ``num_microbatches`` divides the train batch, the ``--output`` / ``--export_dir``
 paths (an ``--output`` that cannot be written fails before predicting, not after), whether
 ``--model_dir`` can be created and written for the commands that train (a full disk, a path
@@ -28,8 +28,8 @@ import re
 import secrets
 from typing import Any
 
-from ..config import RunConfig, TPUConfig
-from ..errors import EstimatorError, NoCheckpointError
+from ..core.config import RunConfig, TPUConfig
+from ..core.errors import EstimatorError, NoCheckpointError
 from .usage import PROG, UsageError
 
 READS_A_MODEL = ("evaluate", "predict", "export")

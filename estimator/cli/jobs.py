@@ -15,11 +15,11 @@ import ml_collections
 import models
 
 from ..cluster.cluster import from_environment
-from ..config import RunConfig, TPUConfig
+from ..core.config import RunConfig, TPUConfig
+from ..core.input_context import InputContext
+from ..core.spec import ModeKeys
 from ..data.inputs import call_input_fn, split_element
-from ..input_context import InputContext
 from ..io import export as export_lib
-from ..spec import ModeKeys
 from ..tpu_estimator import TPUEstimator
 from .checks import RUN_CONFIG_FIELDS, TPU_CONFIG_FIELDS, given_fields
 from .configs import DEFAULT_CONFIG, apply_overrides, load_config

@@ -14,7 +14,7 @@ import importlib.util
 import os
 import textwrap
 
-from ..errors import EstimatorError
+from ..core.errors import EstimatorError
 
 PROG = "tpu-estimator"
 DEFAULT_COMMAND = "train_and_evaluate"

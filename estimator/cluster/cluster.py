@@ -43,8 +43,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from .. import _compat
-from ..errors import EstimatorRuntimeError, EstimatorTypeError, EstimatorValueError
+from ..core import _compat
+from ..core.errors import EstimatorRuntimeError, EstimatorTypeError, EstimatorValueError
 from . import watchdog
 
 log = logging.getLogger("estimator")

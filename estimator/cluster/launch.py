@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import IO
 
-from ..errors import EstimatorValueError
+from ..core.errors import EstimatorValueError
 from .cluster import TIMEOUT_ENV
 
 DEFAULT_TOTAL_DEVICES = 8

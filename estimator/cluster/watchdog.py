@@ -62,8 +62,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .. import _compat
-from ..errors import EstimatorValueError
+from ..core import _compat
+from ..core.errors import EstimatorValueError
 from . import progress
 from .progress import DEFAULT_STALL_TIMEOUT, STALL_TIMEOUT_ENV
 

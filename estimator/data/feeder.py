@@ -10,9 +10,9 @@ from collections.abc import Callable
 import jax
 from jax.sharding import Mesh
 
-from ..config import RunConfig
-from ..input_context import InputContext
-from ..tpu_context import input_fn_context
+from ..core.config import RunConfig
+from ..core.input_context import InputContext
+from ..core.tpu_context import input_fn_context
 from .inputs import Pipeline, Prefetcher, call_input_fn
 from .layout import BatchLayout, LoopPolicy
 from .plan import input_budget

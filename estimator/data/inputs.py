@@ -22,8 +22,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from ..errors import EstimatorTypeError, EstimatorValueError
-from ..input_context import InputContext
+from ..core.errors import EstimatorTypeError, EstimatorValueError
+from ..core.input_context import InputContext
 from ..parallel import multihost
 from . import structure, threads
 from .layout import BatchLayout

@@ -15,8 +15,8 @@ import dataclasses
 import jax
 import numpy as np
 
-from ..config import InputPipelineConfig
-from ..errors import EstimatorTypeError, EstimatorValueError
+from ..core.config import InputPipelineConfig
+from ..core.errors import EstimatorTypeError, EstimatorValueError
 
 _BATCH_FIELDS = {
     "train": "train_batch_size",

@@ -45,7 +45,7 @@ import math
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
-from ..errors import EstimatorValueError
+from ..core.errors import EstimatorValueError
 
 
 def powers_of_two(n: int) -> list[int]:

@@ -37,8 +37,8 @@ from typing import Any
 
 import jax
 
-from ..errors import EstimatorValueError
-from ..spec import ModeKeys
+from ..core.errors import EstimatorValueError
+from ..core.spec import ModeKeys
 
 log = logging.getLogger("estimator")
 

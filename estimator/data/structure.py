@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..errors import EstimatorValueError
+from ..core.errors import EstimatorValueError
 
 SHOWN = 3  # entries named in a message; the rest are counted
 

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from ..errors import EstimatorValueError
+from ..core.errors import EstimatorValueError
 from ..parallel import multihost
 from .inputs import Chunk, to_devices
 from .plan import MAX_LOOPS_PER_CALL

@@ -17,7 +17,7 @@ import time
 from typing import Any, NamedTuple
 
 from ..cluster import progress
-from ..config import RunConfig
+from ..core.config import RunConfig
 from ..engine.loops import TrainState
 from ..engine.state import train_state_parts
 from ..io.checkpoint import Checkpoints

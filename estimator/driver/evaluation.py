@@ -13,15 +13,15 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..core.errors import EstimatorValueError
+from ..core.runtime import seed_key_data
+from ..core.spec import ModeKeys
 from ..engine import tails
 from ..engine.state import one_copy_on_cpu
-from ..errors import EstimatorValueError
 from ..io.eval_events import write_eval_events
 from ..io.restore import restore_variables
 from ..parallel import multihost
-from ..runtime import seed_key_data
-from ..scaffold import saver_sources
-from ..spec import ModeKeys
+from ..weights.scaffold import saver_sources
 from . import dispatch, eval_loss
 from .budget import StepBudget
 from .hook_runner import HookRunner, Session

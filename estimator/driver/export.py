@@ -20,9 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from ..core.errors import EstimatorTypeError, EstimatorValueError
+from ..core.runtime import seed_key_data
+from ..core.spec import ModeKeys
 from ..engine.model import step_rngs
 from ..engine.programs import Programs
-from ..errors import EstimatorTypeError, EstimatorValueError
 from ..io import variables as variables_lib
 from ..io.export import ExportedProgram, describe_export, feature_specs, symbolic, write_export
 from ..io.inference import rewrite_for_inference, validate_inference_rewrite_for_variables
@@ -31,9 +33,7 @@ from ..io.signatures import export_signatures
 from ..io.store import StateStore
 from ..parallel.mesh import DATA, single_device_mesh
 from ..parallel.outside_compilation import forbid_host_calls
-from ..runtime import seed_key_data
-from ..scaffold import saver_sources
-from ..spec import ModeKeys
+from ..weights.scaffold import saver_sources
 
 
 def _restore(

@@ -15,7 +15,7 @@ from hooks import (
 )
 from hooks.base import as_hook_list, fetch_names, resolve_fetches
 
-from ..errors import EstimatorKeyError, EstimatorRuntimeError
+from ..core.errors import EstimatorKeyError, EstimatorRuntimeError
 
 
 class Session:

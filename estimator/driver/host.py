@@ -27,10 +27,10 @@ import numpy as np
 
 import metrics as metrics_lib
 
-from .. import summary
+from ..core import summary
+from ..core.errors import EstimatorTypeError, EstimatorValueError
 from ..data import threads
 from ..engine.traced import check_no_traced_values, traced_value_guard
-from ..errors import EstimatorTypeError, EstimatorValueError
 
 HOST_CALL_QUEUE_LOOPS = 2  # loops of host work that may wait behind the one running
 

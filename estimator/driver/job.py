@@ -9,7 +9,7 @@ from typing import NamedTuple
 from jax.sharding import Mesh
 
 from .. import storage
-from ..config import RunConfig
+from ..core.config import RunConfig
 from ..data.feeder import Feeder
 from ..engine.model import ModelFn
 from ..engine.options import StepOptions

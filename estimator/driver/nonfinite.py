@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ..errors import NanLossDuringTrainingError
+from ..core.errors import NanLossDuringTrainingError
 from ..io.variables import path_name
 from ..parallel import multihost
 

@@ -6,9 +6,9 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import EstimatorTypeError, EstimatorValueError
+from ..core.errors import EstimatorTypeError, EstimatorValueError
+from ..core.spec import ModeKeys
 from ..parallel import multihost
-from ..spec import ModeKeys
 from .evaluation import DeviceLoops
 from .job import Job
 

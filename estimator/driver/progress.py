@@ -16,8 +16,8 @@ from jax.sharding import Mesh
 
 import hooks as hooks_lib
 
-from ..compilation import CompileCounter
-from ..config import RunConfig
+from ..core.compilation import CompileCounter
+from ..core.config import RunConfig
 from ..engine.options import StepOptions
 from ..io import variables as variables_lib
 from ..io.variables import PARAMS

@@ -39,7 +39,7 @@ import numpy as np
 import hooks as hooks_lib
 from hooks import SessionRunContext, SessionRunHook, SessionRunValues
 
-from ..spec import ModeKeys
+from ..core.spec import ModeKeys
 
 log = logging.getLogger("estimator")
 

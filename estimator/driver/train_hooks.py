@@ -20,8 +20,8 @@ import numpy as np
 import hooks
 from hooks import SessionRunArgs, SessionRunContext, SessionRunHook, SessionRunValues
 
-from .. import summary
-from ..errors import NanLossDuringTrainingError
+from ..core import summary
+from ..core.errors import NanLossDuringTrainingError
 from ..io import variables as variables_lib
 from . import nonfinite, optimizer_info
 

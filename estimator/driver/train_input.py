@@ -21,10 +21,10 @@ from collections.abc import Callable
 
 import jax
 
+from ..core.errors import EstimatorValueError
+from ..core.spec import ModeKeys
 from ..data.inputs import Chunk
-from ..errors import EstimatorValueError
 from ..io.input_position import resume_pulls
-from ..spec import ModeKeys
 from . import goodput, preemption
 from .job import Job
 

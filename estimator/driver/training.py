@@ -25,30 +25,21 @@ import numpy as np
 
 import hooks as hooks_lib
 
-from .. import summary
 from ..cluster import progress as cluster_progress
-from ..config import RunConfig
+from ..core import summary
+from ..core.config import RunConfig
+from ..core.errors import EstimatorTypeError, EstimatorValueError
+from ..core.spec import ModeKeys
 from ..engine.loops import TrainState
 from ..engine.options import StepOptions
 from ..engine.state import fresh_train_state
-from ..errors import EstimatorTypeError, EstimatorValueError
 from ..io import disk_full, lease
 from ..io.lock import TrainerLock
 from ..io.restore import restore_train_state
 from ..io.store import LastState
 from ..parallel import multihost
-from ..scaffold import IN_MODEL_FN, fresh_init_fn
-from ..spec import ModeKeys
-from . import (
-    auto_loop,
-    dispatch,
-    goodput,
-    goodput_record,
-    hparams,
-    nonfinite,
-    progress,
-    throughput,
-)
+from ..weights.scaffold import IN_MODEL_FN, fresh_init_fn
+from . import auto_loop, dispatch, goodput, goodput_record, hparams, nonfinite, progress, throughput
 from .budget import StepBudget, log_end, planned_last_steps
 from .checkpointer import Checkpointer, Position, Trained, save_then_drain, wait_committed
 from .hook_runner import HookRunner, Session

@@ -9,7 +9,7 @@ versions and ``XLA_FLAGS``. A hit loads the serialized executable and lowers not
 lowers and compiles as JAX would (JAX's own cache still applies) and stores the executable
 beside JAX's entries, in ``<cache dir>/estimator-executables``.
 
-Used only while a persistent compilation cache is configured (``estimator.compilation``),
+Used only while a persistent compilation cache is configured (``estimator.core.compilation``),
 in a job of one process.
 A program with a host callback is never stored (its executable holds a Python function that
 cannot be serialized, and the jaxpr's text names it without its address). A hit is
@@ -50,8 +50,8 @@ import jaxlib
 import numpy as np
 from jax.experimental import serialize_executable
 
-from .. import compilation
-from ..compilation import BACKEND_COMPILE, CACHE_HIT
+from ..core import compilation
+from ..core.compilation import BACKEND_COMPILE, CACHE_HIT
 
 log = logging.getLogger("estimator")
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.nn import initializers as jinit
 
-from ..errors import EstimatorTypeError, EstimatorValueError
+from ..core.errors import EstimatorTypeError, EstimatorValueError
 
 Initializer = Callable[[Any, tuple, Any], Any]
 

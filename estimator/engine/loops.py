@@ -28,10 +28,10 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from ..core.spec import ModeKeys, TPUEstimatorSpec
 from ..parallel import fsdp, zero
 from ..parallel.mesh import DATA
 from ..parallel.replica_context import is_varying
-from ..spec import ModeKeys, TPUEstimatorSpec
 from . import averages, microbatch, multi_loss, precision
 from .model import ModelFn, step_rngs
 from .options import StepOptions

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from ..errors import EstimatorTypeError, EstimatorValueError
+from ..core.errors import EstimatorTypeError, EstimatorValueError
 from ..parallel.mesh import DATA
 from ..parallel.replica_context import is_varying
 

@@ -17,12 +17,12 @@ import flax
 import flax.linen as nn
 import jax
 
-from .. import context
-from ..errors import EstimatorTypeError, EstimatorValueError
+from ..core import context
+from ..core.errors import EstimatorTypeError, EstimatorValueError
+from ..core.spec import ModeKeys, TPUEstimatorSpec, as_tpu_spec
+from ..core.tpu_context import TPUContext
 from ..parallel.mesh import DATA
 from ..parallel.replica_context import replica_scope
-from ..spec import ModeKeys, TPUEstimatorSpec, as_tpu_spec
-from ..tpu_context import TPUContext
 from .multi_loss import leaf_names
 
 _MODEL_FN_ARGS = ("features", "labels", "mode", "params", "config")

@@ -61,9 +61,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from .. import context
-from ..errors import EstimatorTypeError, EstimatorValueError
-from ..spec import ModeKeys
+from ..core import context
+from ..core.errors import EstimatorTypeError, EstimatorValueError
+from ..core.spec import ModeKeys
 from . import masked_chain
 
 #: The CallContext note that model_fn called ``minimize`` (see ``value_and_grad``).

@@ -28,9 +28,9 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from ..config import RunConfig
+from ..core.config import RunConfig
+from ..core.spec import ModeKeys
 from ..parallel.mesh import DATA
-from ..spec import ModeKeys
 from .precision import Policy
 
 

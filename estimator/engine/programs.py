@@ -21,13 +21,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..config import RunConfig
+from ..core.config import RunConfig
+from ..core.errors import EstimatorValueError
+from ..core.runtime import seed_key_data
+from ..core.spec import ModeKeys, TPUEstimatorSpec
 from ..data import plan
-from ..errors import EstimatorValueError
 from ..parallel import multihost, partitioning
 from ..parallel.mesh import DATA
-from ..runtime import seed_key_data
-from ..spec import ModeKeys, TPUEstimatorSpec
 from . import ahead
 from .loops import SpecHolder, TrainState, make_eval_loop, make_init, make_train_loop
 from .model import ModelFn

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen import module as flax_module
 
-from ..errors import EstimatorRuntimeError, EstimatorTypeError, EstimatorValueError
+from ..core.errors import EstimatorRuntimeError, EstimatorTypeError, EstimatorValueError
 from .initializers import as_initializer
 
 

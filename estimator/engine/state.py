@@ -15,12 +15,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..core.errors import EstimatorValueError
+from ..core.runtime import init_compiler_options, seed_key_data
+from ..core.spec import ModeKeys
 from ..data.staging import aligned_empty
-from ..errors import EstimatorValueError
 from ..parallel import partitioning, zero
 from ..parallel.mesh import DATA
-from ..runtime import init_compiler_options, seed_key_data
-from ..spec import ModeKeys
 from . import executables, microbatch
 from .loops import TrainState, make_fresh_train_state, make_split_init
 from .programs import Programs

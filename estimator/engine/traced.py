@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from ..errors import EstimatorValueError
+from ..core.errors import EstimatorValueError
 
 _TRACER_ERRORS = (
     jax.errors.UnexpectedTracerError,

@@ -38,8 +38,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from .. import storage
-from .._compat import absl_warning_dropped, standard_handler_with_array_handler
-from ..errors import (
+from ..core._compat import absl_warning_dropped, standard_handler_with_array_handler
+from ..core.errors import (
     CheckpointError,
     CheckpointMismatchError,
     EstimatorValueError,

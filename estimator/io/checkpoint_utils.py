@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from .. import storage
-from ..errors import EstimatorValueError
+from ..core.errors import EstimatorValueError
 from .checkpoint import Checkpoints, read_variables, resolve_path
 from .step_names import has_checkpoints, parse_step_path
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 import threading
 
-from .. import storage, summary
+from .. import storage
+from ..core import summary
 
 log = logging.getLogger("estimator")
 

@@ -61,7 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import storage
-from ..errors import EstimatorTypeError, EstimatorValueError
+from ..core.errors import EstimatorTypeError, EstimatorValueError
 from . import disk_full, export_temp, tf_saved_model
 from . import variables as variables_lib
 

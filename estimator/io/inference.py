@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from ..errors import EstimatorRuntimeError, EstimatorTypeError, EstimatorValueError
+from ..core.errors import EstimatorRuntimeError, EstimatorTypeError, EstimatorValueError
 
 PyTree = Any
 

@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 from urllib.parse import quote
 
 from .. import storage
-from ..errors import EstimatorRuntimeError, EstimatorValueError
+from ..core.errors import EstimatorRuntimeError, EstimatorValueError
 from .lock import LOCK_NAME, ModelDirInUseError, TrainerLock, _pid_running
 
 log = logging.getLogger("estimator")

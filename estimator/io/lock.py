@@ -48,7 +48,7 @@ import time
 import weakref
 from typing import Any
 
-from ..errors import EstimatorRuntimeError
+from ..core.errors import EstimatorRuntimeError
 
 log = logging.getLogger("estimator")
 

@@ -29,7 +29,7 @@ import json
 from typing import Any
 
 from .. import storage
-from ..errors import CheckpointError
+from ..core.errors import CheckpointError
 
 MAX_META_DEPTH = 64
 LEGACY_KEYS = frozenset({"global_step", "input_pulls", "input_state", "input_states"})

@@ -25,6 +25,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import storage
+from ..core.errors import CheckpointError, NoCheckpointError
+from ..core.spec import ModeKeys
 from ..engine import precision
 from ..engine.loops import TrainState
 from ..engine.programs import Programs
@@ -37,9 +39,7 @@ from ..engine.state import (
     to_train_state,
     train_state_parts,
 )
-from ..errors import CheckpointError, NoCheckpointError
 from ..parallel import multihost, zero
-from ..spec import ModeKeys
 from . import checkpoint as ckpt_lib
 from . import variables as variables_lib
 from .store import StateStore

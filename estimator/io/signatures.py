@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import EstimatorTypeError, EstimatorValueError
-from ..export_output import ExportOutput, PredictOutput
+from ..core.errors import EstimatorTypeError, EstimatorValueError
+from ..core.export_output import ExportOutput, PredictOutput
 
 DEFAULT_SIGNATURE = "serving_default"
 SINGLE_OUTPUT = "output"  # TF's name for a lone prediction array

@@ -23,7 +23,7 @@ from etils import epath
 from orbax.checkpoint._src.path import step as step_lib
 
 from .. import storage
-from ..errors import EstimatorError
+from ..core.errors import EstimatorError
 
 PREFIX = "model.ckpt-"
 LEGACY_DIR = "checkpoints"  # the layout before: <model_dir>/checkpoints/<step>

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..errors import EstimatorTypeError, EstimatorValueError
+from ..core.errors import EstimatorTypeError, EstimatorValueError
 
 RESIZE_METHODS = ("bilinear", "nearest", "bicubic", "area", "lanczos3", "lanczos5", "mitchellcubic")
 

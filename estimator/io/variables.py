@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 
-from ..errors import EstimatorTypeError, EstimatorValueError
+from ..core.errors import EstimatorTypeError, EstimatorValueError
 
 PARAMS = "params"
 #: The shadow of ``ExponentialMovingAverage`` in the optimizer state, and its name suffix.

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from ..errors import EstimatorValueError
+from ..core.errors import EstimatorValueError
 
 DATA = "data"
 MODEL = "model"

@@ -27,7 +27,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
-from ..errors import EstimatorRuntimeError, EstimatorValueError
+from ..core.errors import EstimatorRuntimeError, EstimatorValueError
 from .mesh import DATA
 
 

@@ -58,8 +58,8 @@ from jax import lax
 from jax.experimental import io_callback
 from jax.sharding import PartitionSpec as P
 
-from .. import context
-from ..errors import EstimatorRuntimeError, EstimatorTypeError, EstimatorValueError
+from ..core import context
+from ..core.errors import EstimatorRuntimeError, EstimatorTypeError, EstimatorValueError
 from .mesh import DATA
 from .replica_context import get_replica_context, in_replicated_computation
 

@@ -30,7 +30,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..errors import EstimatorValueError
+from ..core.errors import EstimatorValueError
 from .mesh import MODEL
 
 PyTree = Any

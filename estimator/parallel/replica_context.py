@@ -35,7 +35,7 @@ from typing import Any
 import jax
 from jax import lax
 
-from ..errors import EstimatorValueError
+from ..core.errors import EstimatorValueError
 from .mesh import DATA
 
 PyTree = Any

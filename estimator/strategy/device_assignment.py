@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from ..errors import EstimatorTypeError, EstimatorValueError
+from ..core.errors import EstimatorTypeError, EstimatorValueError
 from ..parallel.mesh import DATA, MODEL, make_mesh
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..errors import EstimatorValueError
+from ..core.errors import EstimatorValueError
 
 
 class NumpyDataset:

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..errors import EstimatorValueError
+from ..core.errors import EstimatorValueError
 
 
 @jax.tree_util.register_pytree_node_class

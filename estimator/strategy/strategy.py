@@ -59,8 +59,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..errors import EstimatorTypeError, EstimatorValueError
-from ..input_context import InputContext
+from ..core.errors import EstimatorTypeError, EstimatorValueError
+from ..core.input_context import InputContext
 from ..parallel import partitioning
 from ..parallel.mesh import DATA
 from ..parallel.replica_context import ReduceOp, get_replica_context, replica_scope

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 
 import estimator
-from estimator.compilation import CompileCounter
+from estimator.core.compilation import CompileCounter
 from tests import helpers as h
 
 

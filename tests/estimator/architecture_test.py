@@ -1,7 +1,7 @@
 """The package's dependency rules, read from the source: no cycles, layers point one way.
 
-Folders import downward only (``LAYERS``: the vocabulary < parallel < data < engine < io <
-scaffold < driver < facade < cli), nothing but the command line imports the model zoo, and
+Folders import downward only (``LAYERS``: core < parallel, cluster < data, strategy < engine <
+io < weights < driver < facade < cli), nothing but the command line imports the model zoo, and
 importing the library configures no logging.
 """
 
@@ -94,36 +94,23 @@ def test_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]
 
 
+# The public facade: the only modules at the top of the package besides the command line.
+FACADE = ("tpu_estimator", "train_and_evaluate", "tpu", "exporters", "export", "tf_only")
+
 # The layers, lowest first. A module imports only from its own group or from a lower layer;
 # the groups of one layer are siblings and import nothing from each other. Names are module
-# prefixes under ``estimator.`` (a folder or a top-level module); each module has one place.
+# folders under ``estimator/`` (the facade's modules excepted); each module has one place.
 LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
-    # The vocabulary every layer uses: errors, configuration, the spec and its contexts.
-    (
-        (
-            "errors",
-            "_compat",
-            "config",
-            "spec",
-            "context",
-            "tpu_context",
-            "input_context",
-            "export_output",
-            "compilation",
-            "runtime",
-            "summary",
-            "saver",
-            "storage",  # local paths and bucket URLs: summary's event files and io use it
-        ),
-    ),
-    (("parallel", "cross_shard_optimizer"), ("cluster",)),  # the mesh and collectives
+    # The vocabulary every layer uses (errors, configuration, the spec and its contexts), and
+    # local paths and bucket URLs (summary's event files and io use them).
+    (("core", "storage"),),
+    (("parallel",), ("cluster",)),  # the mesh and collectives; the job's processes
     (("data",), ("strategy",)),  # input_fn -> staged calls; the tf.distribute-like API
     (("engine",),),  # the compiled side: model_fn under Flax, the loops, the state
     (("io",),),  # checkpoints, restore, the export format
-    # init from checkpoints, warm start, model_fn's variables, moving-average weights
-    (("scaffold", "trainable", "moving_average"),),
+    (("weights",),),  # init from checkpoints, warm start, variables, moving averages
     (("driver",),),  # the host loops: train, evaluate, predict, export
-    (("tpu_estimator", "train_and_evaluate", "tpu", "exporters", "export", "tf_only"),),  # facade
+    (FACADE,),  # the public modules
     (("cli", "__main__"),),  # the command line (the only importer of models)
 )
 
@@ -159,6 +146,14 @@ def test_every_module_has_a_layer():
     assert placed and all(p is not None for n, p in placed.items() if n != "estimator")
 
 
+def test_every_layer_is_a_folder_and_the_top_is_the_facade():
+    folders = {p.name for p in PKG.iterdir() if (p / "__init__.py").exists()}
+    named = {name for layer in LAYERS for group in layer for name in group}
+    assert named - set(FACADE) - {"__main__"} == folders
+    top = {p.stem for p in PKG.glob("*.py")} - {"__init__"}
+    assert top == set(FACADE) | {"__main__"}, "only the facade at the top: " + str(sorted(top))
+
+
 def test_layers_point_one_way():
     assert _upward(_graph()) == []
 
@@ -168,10 +163,10 @@ def test_layers_point_one_way():
     [
         (("estimator.driver.training", "estimator.engine.loops"), True),  # down
         (("estimator.engine.state", "estimator.engine.loops"), True),  # within a folder
-        (("estimator.runtime", "estimator.compilation"), True),  # within a group
+        (("estimator.core.runtime", "estimator.core.compilation"), True),  # within a folder
         (("estimator.engine.state", "estimator.io.store"), False),  # up
         (("estimator.data.feeder", "estimator.engine.model"), False),  # up
-        (("estimator.scaffold", "estimator.driver.host"), False),  # up
+        (("estimator.weights.scaffold", "estimator.driver.host"), False),  # up
         (("estimator.data.inputs", "estimator.strategy.strategy"), False),  # sideways
         (("estimator.parallel.mesh", "estimator.cluster.cluster"), False),  # sideways
         (("estimator.driver.job", "estimator.tpu_estimator"), False),  # up to the facade
@@ -212,7 +207,10 @@ def test_only_the_facade_touches_the_estimators_private_members():
         if path.name == "tpu_estimator.py":
             continue
         for i, line in enumerate(path.read_text().splitlines(), 1):
-            if re.search(r"\b(est|estimator)\._[a-z]", line) and "estimator._compat" not in line:
+            if (
+                re.search(r"\b(est|estimator)\._[a-z]", line)
+                and "estimator.core._compat" not in line
+            ):
                 offenders.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
     assert offenders == []
 
@@ -297,7 +295,8 @@ def test_the_type_checking_block_imports_exactly_the_exports_table():
     import estimator
 
     want = {m: set(names) for m, names in estimator._EXPORTS.items()}
-    want["."] = set(estimator._SUBMODULES)  # ``from . import summary``
+    for name, module in estimator._SUBMODULES.items():  # ``from .core import summary``
+        want.setdefault(module.rpartition(".")[0] or ".", set()).add(name)
     assert _type_checking_imports() == want
     public = {*estimator._MODULE_OF, *estimator._SUBMODULES}
     assert estimator.__all__ == sorted(n for n in public if not n.startswith("_"))
@@ -317,7 +316,7 @@ def test_lazy_package_exports_every_public_name():
         defined = importlib.import_module(module, "estimator")
         for name in names:
             assert getattr(estimator, name) is getattr(defined, name), name
-    assert estimator.summary is importlib.import_module("estimator.summary")
+    assert estimator.summary is importlib.import_module("estimator.core.summary")
     assert callable(estimator.train_and_evaluate)
     assert estimator.TPUEstimator.__module__ == "estimator.tpu_estimator"
     with pytest.raises(AttributeError, match="no attribute 'TPUEstimater'"):

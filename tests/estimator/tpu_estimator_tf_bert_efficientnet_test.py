@@ -21,6 +21,7 @@ import optax
 import pytest
 
 import estimator
+import estimator.core.errors
 from estimator import summary
 from hooks import event_reader
 from tests import helpers as h
@@ -278,7 +279,7 @@ def test_missing_checkpoint_path_is_tfs_not_found(tmp_path, pretrained):
             est.evaluate(h.eval_input_fn(X, Y), checkpoint_path=path)
         except estimator.NoCheckpointError as e:
             assert isinstance(e, ValueError)  # what old except clauses caught
-            assert isinstance(e, estimator.errors.EstimatorValueError)
+            assert isinstance(e, estimator.core.errors.EstimatorValueError)
         else:
             pytest.fail(f"no NoCheckpointError for {path}")
 

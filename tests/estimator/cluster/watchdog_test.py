@@ -90,7 +90,7 @@ def test_newest_finished_path_reads_the_file_system_only(tmp_path):
 _CHILD = textwrap.dedent(
     """
     import json, sys, threading, time
-    from estimator import _compat
+    from estimator.core import _compat
     from estimator.cluster import watchdog
     from estimator.io import step_names
 
@@ -184,7 +184,7 @@ _FAKE_JOB = textwrap.dedent(
     """
     import ctypes, json, os, socket, sys, threading, time
     from jax._src import distributed
-    from estimator import _compat
+    from estimator.core import _compat
     from estimator.cluster import progress, watchdog
     from estimator.io import step_names
 

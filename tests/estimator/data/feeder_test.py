@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 import estimator
+from estimator.core.errors import EstimatorValueError
+from estimator.core.spec import ModeKeys
 from estimator.data.feeder import Feeder
 from estimator.data.layout import batch_layouts
 from estimator.driver.budget import StepBudget
-from estimator.errors import EstimatorValueError
 from estimator.parallel.mesh import make_mesh
-from estimator.spec import ModeKeys
 from tests import helpers as h
 
 BATCH = 16  # 2 rows per replica

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from estimator import InputPipelineConfig as IPC
+from estimator.core.errors import EstimatorError
 from estimator.data.layout import BatchLayout, check_batch_size
-from estimator.errors import EstimatorError
 
 # (pipeline, global, replicas, local replicas, processes) ->
 #   (input_fn batch_size, process rows, pulls per step, rows per pull, copies)

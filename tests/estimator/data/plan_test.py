@@ -15,8 +15,8 @@ import math
 
 import pytest
 
+from estimator.core.errors import EstimatorValueError
 from estimator.data import plan
-from estimator.errors import EstimatorValueError
 
 
 def _runs(*runs: tuple[int, int]) -> list[int]:

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import estimator
+from estimator.core.input_context import InputContext
 from estimator.data.inputs import call_input_fn
 from estimator.data.single_batch import as_batches
-from estimator.input_context import InputContext
 from tests import helpers as h
 
 B = 16

@@ -13,11 +13,11 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
+from estimator.core.errors import EstimatorValueError
 from estimator.data import synced as synced_lib
 from estimator.data.inputs import Chunk
 from estimator.data.plan import MAX_LOOPS_PER_CALL
 from estimator.engine import ahead
-from estimator.errors import EstimatorValueError
 from estimator.parallel import multihost
 from estimator.parallel.mesh import make_mesh
 

@@ -24,6 +24,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import estimator
+from estimator.core.spec import ModeKeys
 from estimator.driver import checkpointer as checkpointer_lib
 from estimator.driver.checkpointer import (
     Checkpointer,
@@ -37,7 +38,6 @@ from estimator.engine.loops import TrainState
 from estimator.io.checkpoint import Checkpoints
 from estimator.io.input_position import PROCESSES_KEY, ROWS_KEY
 from estimator.io.store import StateStore
-from estimator.spec import ModeKeys
 
 _OPEN: list[Checkpoints] = []
 

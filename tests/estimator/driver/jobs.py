@@ -3,6 +3,7 @@ recording hooks for the driver tests."""
 
 from __future__ import annotations
 
+from estimator.core.spec import ModeKeys
 from estimator.data.feeder import Feeder
 from estimator.data.layout import batch_layouts
 from estimator.driver.job import Job
@@ -10,7 +11,6 @@ from estimator.engine.model import ModelFn, user_params
 from estimator.engine.programs import Programs
 from estimator.io.store import StateStore
 from estimator.parallel.mesh import single_device_mesh
-from estimator.spec import ModeKeys
 from hooks import SessionRunHook
 from tests import helpers as h
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from estimator.core.errors import EstimatorTypeError, EstimatorValueError
 from estimator.driver.prediction import checked_predict_keys, run_predict_loops
-from estimator.errors import EstimatorTypeError, EstimatorValueError
 from tests import helpers as h
 from tests.estimator.driver import jobs
 

@@ -17,6 +17,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import estimator
+import estimator.core.compilation
 from estimator.driver import throughput
 from hooks import SessionRunContext, SessionRunValues
 from models import transformer
@@ -274,7 +275,7 @@ def test_transformer_lm_model_flops_match_the_palm_count(tmp_path):
 @pytest.mark.counts_compiles
 def test_reporting_compiles_nothing_jit_path(tmp_path, caplog):
     # Without the persistent cache the loop runs through jit: its cache holds the program.
-    with estimator.compilation.CompileCounter() as counter:
+    with estimator.core.compilation.CompileCounter() as counter:
         with caplog.at_level(logging.INFO, logger="estimator"):
             got = _train_and_read(tmp_path, _mlp_model_fn, _mlp_input_fn, BATCH)
     assert counter.names.count("jit(loop)") == 1, counter.names
@@ -285,7 +286,7 @@ def test_reporting_compiles_nothing_jit_path(tmp_path, caplog):
 
 def test_reporting_compiles_nothing_cached_path(tmp_path):
     # With the suite's persistent cache the loop runs the executable loaded by its trace.
-    with estimator.compilation.CompileCounter() as counter:
+    with estimator.core.compilation.CompileCounter() as counter:
         got = _train_and_read(tmp_path, _mlp_model_fn, _mlp_input_fn, BATCH)
     assert counter.names.count("jit(loop)") == 1, counter.names
     assert got["perf/model_flops_per_step"]

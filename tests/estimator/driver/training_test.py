@@ -13,9 +13,9 @@ import pytest
 
 import estimator
 import hooks as hooks_lib
+from estimator.core.spec import ModeKeys
 from estimator.driver.job import EndReason, TrainOutcome
 from estimator.driver.training import run_train_loops
-from estimator.spec import ModeKeys
 from tests import helpers as h
 
 from .jobs import Recorder, events, make_job

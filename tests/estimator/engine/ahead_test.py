@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from estimator import compilation
+from estimator.core import compilation
 from estimator.engine import ahead
 from estimator.parallel.mesh import make_mesh
 

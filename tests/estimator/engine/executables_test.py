@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from jax._src import stages
 
-from estimator import compilation
-from estimator.compilation import CompileCounter
+from estimator.core import compilation
+from estimator.core.compilation import CompileCounter
 from estimator.engine import executables
 
 

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from estimator.core.errors import EstimatorTypeError, EstimatorValueError
 from estimator.engine.initializers import as_initializer
-from estimator.errors import EstimatorTypeError, EstimatorValueError
 
 # The standard deviation of a standard normal truncated at +-2: TF's and JAX's truncated
 # normals both cut at two untruncated standard deviations.

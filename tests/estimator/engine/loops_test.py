@@ -23,14 +23,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import estimator
+from estimator.core.runtime import seed_key_data
+from estimator.core.spec import ModeKeys, TPUEstimatorSpec
 from estimator.engine import loops
 from estimator.engine.model import ModelFn
 from estimator.engine.options import StepOptions
 from estimator.engine.programs import Programs
 from estimator.engine.state import fresh_train_state
 from estimator.parallel.mesh import DATA, make_mesh
-from estimator.runtime import seed_key_data
-from estimator.spec import ModeKeys, TPUEstimatorSpec
 from tests import helpers as h
 from tests.estimator.driver.jobs import make_job
 

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 import estimator
+from estimator.core.spec import ModeKeys
 from estimator.engine.options import StepOptions, loop_unrolled
 from estimator.engine.precision import Policy
 from estimator.parallel.mesh import make_mesh
-from estimator.spec import ModeKeys
 from tests import helpers as h
 from tests.estimator.driver.jobs import make_job
 

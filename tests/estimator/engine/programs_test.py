@@ -11,14 +11,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import estimator
-from estimator.compilation import CompileCounter
+from estimator.core.compilation import CompileCounter
+from estimator.core.errors import EstimatorValueError
+from estimator.core.runtime import seed_key_data
+from estimator.core.spec import ModeKeys
 from estimator.engine.model import ModelFn
 from estimator.engine.programs import Programs
 from estimator.engine.state import fresh_train_state
-from estimator.errors import EstimatorValueError
 from estimator.parallel.mesh import DATA, make_mesh
-from estimator.runtime import seed_key_data
-from estimator.spec import ModeKeys
 from tests import helpers as h
 from tests.estimator.driver.jobs import make_job
 

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from estimator import runtime
+from estimator.core import runtime
 from estimator.engine import state
 from estimator.engine.state import one_copy_on_cpu
 from tests import helpers as h

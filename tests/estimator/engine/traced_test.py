@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from estimator.core.errors import EstimatorValueError
 from estimator.engine.traced import TracedValueError, check_no_traced_values, traced_value_guard
-from estimator.errors import EstimatorValueError
 
 
 class _Holder:

@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import estimator
-from estimator.compilation import CompileCounter
+from estimator.core.compilation import CompileCounter
 from estimator.driver import evaluation
 from estimator.io import checkpoint as ckpt_lib
 from estimator.io.meta_format import with_checksum

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from estimator.input_context import InputContext
+from estimator.core.input_context import InputContext
 from estimator.parallel.mesh import MODEL
 from estimator.parallel.partitioning import shard_variables, unbox
 from estimator.parallel.replica_context import (

@@ -322,7 +322,7 @@ def test_apply_of_a_variable_list_outside_model_fn_is_refused():
 
 
 def test_control_dependencies_nest_and_none_clears():
-    from estimator.moving_average import _CONTROL
+    from estimator.weights.moving_average import _CONTROL
 
     tx = optax.sgd(0.1)
     with estimator.control_dependencies([1]):

@@ -20,9 +20,9 @@ from typing import Any
 import optax
 from jax import lax
 
-from .errors import EstimatorTypeError, EstimatorValueError
-from .parallel.mesh import DATA
-from .parallel.replica_context import get_replica_context
+from ..core.errors import EstimatorTypeError, EstimatorValueError
+from .mesh import DATA
+from .replica_context import get_replica_context
 
 _MEAN = ("mean", "weighted_mean")
 _SUM = ("sum", "weighted_sum")

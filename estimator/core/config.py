@@ -243,7 +243,7 @@ class RunConfig:
     Keyword-only extensions over TF's fields:
       compilation_cache_dir: where JAX's persistent compilation cache lives; it is on by
         default (``None`` or ``True``: ``$TPU_ESTIMATOR_COMPILATION_CACHE_DIR``, else
-        ``~/.cache/tpu-estimator/jax``), ``False`` turns it off (``estimator.compilation``).
+        ``~/.cache/tpu-estimator/jax``), ``False`` turns it off (``estimator.core.compilation``).
       skip_nonfinite_steps: skip (on every replica together) a step whose loss or gradients
         are not finite, count it in the ``nonfinite_steps`` summary, and keep training.
       progress_bar: a tqdm bar (``None``: when stderr is a terminal or the process is a

@@ -10,13 +10,15 @@ import optax
 import pytest
 
 import estimator
+import estimator.core.context
+import estimator.weights.moving_average
 from estimator.io.export import build_raw_serving_input_receiver_fn, load_saved_model
-from estimator.moving_average import MovingAverageState
+from estimator.weights.moving_average import MovingAverageState
 from tests import helpers as h
 
 X, Y = h.make_data(n=64)
 NAMES = ["hidden/bias", "hidden/kernel", "out/bias", "out/kernel"]
-AVG = estimator.moving_average.NAME
+AVG = estimator.weights.moving_average.NAME
 
 
 def make_model_fn(make_tx, *, hidden: int = 16, record: dict | None = None):
@@ -102,7 +104,7 @@ def test_bad_arguments_are_named():
 
 
 def test_variables_to_restore_maps_tf_names(monkeypatch):
-    monkeypatch.setattr(estimator.context, "_LAST", {})  # as before any model_fn was traced
+    monkeypatch.setattr(estimator.core.context, "_LAST", {})  # as before any model_fn was traced
     ema = estimator.ExponentialMovingAverage(0.9)
     expected = {f"{n}/{AVG}": n for n in ("d/bias", "d/kernel")}
     tree = {"d": {"kernel": np.zeros((2, 2)), "bias": np.zeros(2)}}

@@ -13,6 +13,7 @@ import optax
 import pytest
 
 import estimator
+import estimator.weights.trainable
 from tests import helpers as h
 
 X, Y = h.make_data(n=64, d=6, classes=3, seed=5)
@@ -69,7 +70,7 @@ def test_names_are_tfs_and_match_the_checkpoints(tmp_path):
 
 
 def test_a_variable_acts_as_its_array():
-    v = estimator.trainable.Variable("dense/kernel:0", jnp.arange(6.0).reshape(2, 3))
+    v = estimator.weights.trainable.Variable("dense/kernel:0", jnp.arange(6.0).reshape(2, 3))
     np.testing.assert_allclose(v * 2, np.arange(6.0).reshape(2, 3) * 2)
     np.testing.assert_allclose(2 - v, 2 - np.arange(6.0).reshape(2, 3))
     assert v.shape == (2, 3) and v.sum() == 15.0 and v[1, 2] == 5.0

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import estimator
-from estimator.scaffold import _source_name, flatten
+from estimator.weights.scaffold import _source_name, flatten
 from tests import helpers as h
 
 BATCH = 16

@@ -8,7 +8,7 @@ then every ``init_from_checkpoint`` called directly inside model_fn (TF's non-TP
 BERT writes it), then every one called inside ``scaffold_fn`` (BERT's TPU idiom:
 ``def tpu_scaffold(): init_from_checkpoint(ckpt, amap); return Scaffold()``), then the
 spec's ``Scaffold.init_fn``. ``Scaffold(saver=Saver(var_list))`` says instead what
-evaluate, predict and export read (``estimator/saver.py``). Restores log (INFO, logger
+evaluate, predict and export read (``estimator/core/saver.py``). Restores log (INFO, logger
 ``estimator``) which variables matched and which kept their initial values.
 
 Example:
@@ -29,13 +29,13 @@ from typing import Any
 
 import numpy as np
 
-from . import context
-from .engine.traced import check_no_traced_values, traced_value_guard
-from .errors import EstimatorTypeError, EstimatorValueError
-from .io.checkpoint import read_variables
-from .io.variables import flatten, unflatten_into
-from .saver import Saver
-from .spec import ModeKeys
+from ..core import context
+from ..core.errors import EstimatorTypeError, EstimatorValueError
+from ..core.saver import Saver
+from ..core.spec import ModeKeys
+from ..engine.traced import check_no_traced_values, traced_value_guard
+from ..io.checkpoint import read_variables
+from ..io.variables import flatten, unflatten_into
 
 log = logging.getLogger("estimator")
 _LOCAL = threading.local()  # the init_from_checkpoint calls of the scaffold_fn running now

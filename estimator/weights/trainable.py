@@ -41,9 +41,9 @@ from typing import Any
 import flax.linen as nn
 import jax
 
-from . import context
-from .errors import EstimatorRuntimeError, EstimatorValueError
-from .io.variables import named_variables
+from ..core import context
+from ..core.errors import EstimatorRuntimeError, EstimatorValueError
+from ..io.variables import named_variables
 
 
 @jax.tree_util.register_pytree_node_class

@@ -53,10 +53,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from . import context, trainable
-from .engine import averages, multi_loss
-from .errors import EstimatorTypeError, EstimatorValueError
-from .io import variables as variables_lib
+from ..core import context
+from ..core.errors import EstimatorTypeError, EstimatorValueError
+from ..engine import averages, multi_loss
+from ..io import variables as variables_lib
+from . import trainable
 
 #: TF's name of the shadow variables: ``<variable>/ExponentialMovingAverage``.
 NAME = variables_lib.MOVING_AVERAGE

@@ -58,9 +58,9 @@ from tensorboardX.summary import scalar as scalar_summary
 
 from hooks.timer import SecondOrStepTimer
 
-from . import storage
+from .. import storage
+from ..storage import events as store_events
 from .errors import EstimatorRuntimeError, EstimatorValueError
-from .storage import events as store_events
 
 store_events.register()  # event files on gs:// and s3:// through the storage seam
 

@@ -19,14 +19,14 @@ import optax
 import pytest
 
 import estimator
-from estimator import compilation
-from estimator.compilation import CompileCounter
+from estimator.core import compilation
+from estimator.core.compilation import CompileCounter
+from estimator.core.runtime import seed_key_data
+from estimator.core.spec import ModeKeys
 from estimator.engine import tails
-from estimator.runtime import seed_key_data
-from estimator.spec import ModeKeys
 from tests import helpers as h
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _run_job(model_dir: Path, cache_home: Path, *how: str) -> dict:

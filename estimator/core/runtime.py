@@ -14,7 +14,7 @@ log = logging.getLogger("estimator")
 
 def setup(config) -> None:
     """Process-wide set-up for ``config``: the persistent compilation cache
-    (``estimator.compilation``)."""
+    (``estimator.core.compilation``)."""
     compilation.configure_cache(config.compilation_cache_dir)
 
 
