@@ -32,7 +32,7 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax  # noqa: E402
 
-from estimator import compilation  # noqa: E402
+from estimator.core import compilation  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
 _CACHE_ENV = compilation.ENV_VAR
