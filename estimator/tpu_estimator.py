@@ -36,9 +36,10 @@ from .driver.prediction import checked_predict_keys, run_predict_loops
 from .driver.training import check_steps, run_train_loops
 from .engine.model import ModelFn, user_params
 from .engine.programs import Programs
-from .io import checkpoint as ckpt_lib
 from .io import step_names
+from .io.checkpoint_read import read_variables
 from .io.checkpoint_utils import load_variable
+from .io.model_dir import resolve_model_dir
 from .io.store import StateStore
 from .parallel import multihost
 from .parallel.mesh import make_mesh, num_replicas, single_device_mesh
@@ -106,9 +107,7 @@ class TPUEstimator:
             model_dir=model_dir or config.model_dir,
             latest_checkpoint=step_names.newest_finished_path,
         )
-        self._config = config.replace(
-            model_dir=ckpt_lib.resolve_model_dir(model_dir, config.model_dir)
-        )
+        self._config = config.replace(model_dir=resolve_model_dir(model_dir, config.model_dir))
         runtime.setup(self._config)
         self._params = user_params(params)
         self._model = ModelFn(model_fn, self._params, self._config)
@@ -314,7 +313,7 @@ class TPUEstimator:
 
     def _saved_variables(self) -> dict[str, np.ndarray]:
         self._require_checkpoint()
-        return ckpt_lib.read_variables(self.model_dir)  # the newest readable one
+        return read_variables(self.model_dir)  # the newest readable one
 
     def _require_checkpoint(self) -> None:
         if self.latest_checkpoint() is None:

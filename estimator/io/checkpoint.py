@@ -16,6 +16,9 @@ ever deleted because it could not be read. When no step is readable,
 A readable checkpoint of a *different* model (other variable names or shapes, another
 optimizer) raises ``CheckpointMismatchError`` naming every difference; it is never skipped.
 
+Reading by variable name (a Saver's mapping, the moving averages) is ``checkpoint_read.py``;
+which model_dir, and whether Orbax can use it, is ``model_dir.py``.
+
 Example:
   >>> ckpts = Checkpoints("/tmp/run", read_only=True)
   >>> step, out = ckpts.restore_latest(variables=template)
@@ -23,11 +26,8 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
-import shutil
-import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -39,105 +39,27 @@ from etils import epath
 
 from .. import storage
 from ..core._compat import absl_warning_dropped, standard_handler_with_array_handler
-from ..core.errors import (
-    CheckpointError,
-    CheckpointMismatchError,
-    EstimatorValueError,
-    NoCheckpointError,
-)
+from ..core.errors import CheckpointError, CheckpointMismatchError
 from . import disk_full, local_read, orbax_noise, step_names
 from . import variables as variables_lib
 from .meta_format import checked_meta, load_json, with_checksum
+from .model_dir import check_model_dir
 
 log = logging.getLogger("estimator")
 
 ITEMS = ("variables", "train", "meta")
-_MAX_LISTED = 8
+MAX_LISTED = 8
 # Rotated steps are renamed in here (atomically: a reader sees a step whole or not at all),
 # then deleted by the writer.
 _ROTATED = ".rotated"
 _LISTING_ATTEMPTS = 20
-_GLOB_CHARACTERS = "*?[]\\"
-
-
-def checkpoint_dir(model_dir: str) -> str:
-    """The directory holding model_dir's step directories (model_dir itself, or the old
-    ``checkpoints/`` folder of a model_dir written before)."""
-    return step_names.layout(model_dir)[0]
-
-
-def check_model_dir(model_dir: str) -> None:
-    """Refuses a model_dir that Orbax would write but never read back.
-
-    Orbax globs the checkpoint directory unescaped when it finishes a step, so in a path with
-    ``[``, ``]``, ``*`` or ``?`` the glob misses (or matches another directory's) files, and
-    TensorStore reads a backslash as a separator.
-
-    Raises:
-      ValueError: the absolute path holds one of ``*?[]\\``.
-    """
-    storage.check_backend(model_dir)
-    path = storage.absolute(str(model_dir))
-    found = sorted({c for c in path if c in _GLOB_CHARACTERS})
-    if found:
-        raise EstimatorValueError(
-            f"model_dir {path!r} contains {' '.join(repr(c) for c in found)}: glob characters "
-            "and backslashes in a checkpoint path make checkpoints that cannot be read back "
-            "(Orbax globs the path when it finishes a step). Use a directory name without "
-            f"any of {' '.join(_GLOB_CHARACTERS)}."
-        )
-
-
-def resolve_model_dir(model_dir: str | None, configured: str | None) -> str:
-    """The estimator's model_dir: the argument or ``RunConfig.model_dir`` (they must agree
-    when both are given), else a new temporary directory (with a warning); checked with
-    ``check_model_dir`` before anything is written there."""
-    if model_dir is not None and configured is not None:
-        if storage.absolute(str(model_dir)) != storage.absolute(configured):
-            raise EstimatorValueError(
-                f"model_dir={model_dir!r} differs from config.model_dir={configured!r}"
-            )
-    chosen = model_dir if model_dir is not None else configured
-    if chosen is None:
-        chosen = tempfile.mkdtemp(prefix="tpu_estimator_")
-        log.warning("Using temporary folder as model directory: %s", chosen)
-    check_model_dir(str(chosen))
-    return str(chosen)
-
-
-def checked_input_pulls(meta: dict, *, pulls_per_step: int, path: str) -> int:
-    """The number of input batches a checkpoint says were consumed, bounded.
-
-    A resumed trainer fast-forwards a deterministic input by this many pulls; a crafted value
-    would make it read forever. Each step consumes ``pulls_per_step`` pulls; as many again are
-    allowed for short batches skipped in the stream (or exactly ``skipped_pulls`` when the
-    meta records them).
-
-    Raises:
-      CheckpointError: ``input_pulls`` is not a count, or more than the steps can have used.
-    """
-    pulls, step = meta.get("input_pulls", 0), int(meta.get("global_step", 0))
-    if isinstance(pulls, bool) or not isinstance(pulls, int) or pulls < 0:
-        raise CheckpointError(f"checkpoint {path}: meta input_pulls={pulls!r} is not a count")
-    skipped = meta.get("skipped_pulls")
-    extra = skipped if isinstance(skipped, int) and skipped >= 0 else step * pulls_per_step
-    limit = step * pulls_per_step + extra
-    if pulls > limit:
-        raise CheckpointError(
-            f"checkpoint {path}: meta input_pulls={pulls} is more than its {step} steps can "
-            f"have consumed ({limit} pulls at most, {pulls_per_step} per step); refusing to "
-            "fast-forward the input that far. The meta was edited or written by another "
-            "input pipeline: restore an intact checkpoint, or set "
-            "RunConfig(resume_input_position=False) to start the input from its beginning."
-        )
-    return pulls
 
 
 def _abstract(tree: Any) -> Any:
     return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
 
 
-def _short(error: BaseException) -> str:
+def short_error(error: BaseException) -> str:
     """One line of an Orbax/TensorStore error (their specs run to kilobytes)."""
     text = f"{type(error).__name__}: {error}".split(" [tensorstore_spec")[0]
     return text if len(text) <= 400 else text[:400] + "..."
@@ -169,33 +91,6 @@ def _shapes(tree: Any, item: str) -> dict[str, tuple]:
         for path, x in leaves
         if x is not None
     }
-
-
-def _moving_average_template(saved: Any) -> Any:
-    """Host arrays shaped like the moving-average parts of a saved ``train`` tree (the
-    ``ExponentialMovingAverage`` and ``use_for_eval`` entries, in their dicts), for a
-    partial restore; None when one of them sits inside a sequence (no partial template)."""
-    keep = (variables_lib.MOVING_AVERAGE, variables_lib.EVAL_FLAG)
-
-    def prune(node: Any) -> Any:
-        if isinstance(node, dict):
-            out = {}
-            for key, value in node.items():
-                if key in keep:
-                    out[key] = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), value)
-                else:
-                    sub = prune(value)
-                    if sub:
-                        out[key] = sub
-            return out
-        if isinstance(node, (list, tuple)) and any(prune(v) for v in node):
-            raise LookupError
-        return {}
-
-    try:
-        return prune(saved)
-    except LookupError:
-        return None
 
 
 def describe_mismatch(saved: dict[str, tuple], wanted: dict[str, tuple], item: str) -> list[str]:
@@ -376,7 +271,7 @@ class Checkpoints:
         if self.read_only or jax.process_index() != 0:
             return
         if not storage.is_url(self.directory):  # Orbax deletes at once on a store
-            shutil.rmtree(os.path.join(self.directory, _ROTATED), ignore_errors=True)
+            storage.rmtree(storage.join(self.directory, _ROTATED))
 
     def _wait(self) -> None:
         """Waits for the save in flight; a full disk is one clear ``OSError`` (once)."""
@@ -429,7 +324,7 @@ class Checkpoints:
                 files[name] = load_json(storage.join(path, name), name, path)
             except (OSError, ValueError) as e:
                 raise CheckpointError(
-                    f"checkpoint {path}: {name} is unreadable ({_short(e)})"
+                    f"checkpoint {path}: {name} is unreadable ({short_error(e)})"
                 ) from e
         meta = files["meta/metadata"]
         if not isinstance(meta, dict) or meta.get("global_step") != step:
@@ -438,68 +333,28 @@ class Checkpoints:
             )
         return checked_meta(meta, path=path)
 
-    def _metadata(self, step: int, item: str) -> Any:
+    def item_metadata(self, step: int, item: str) -> Any:
         """The saved tree of one item, with shape/dtype metadata at the leaves."""
         try:
             return self._handler.metadata(epath.Path(self.path(step)) / item).tree
         except Exception as e:  # noqa: BLE001 - Orbax/TensorStore raise many types
             raise CheckpointError(
-                f"checkpoint {self.path(step)}: {item} metadata is unreadable ({_short(e)})"
+                f"checkpoint {self.path(step)}: {item} metadata is unreadable ({short_error(e)})"
             ) from e
 
     def _host_template(self, step: int, item: str = "variables") -> Any:
         """numpy leaves shaped like the saved arrays: Orbax then restores onto the host."""
-        return jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), self._metadata(step, item))
+        return jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), self.item_metadata(step, item))
 
-    def _saved_shapes(self, step: int, item: str) -> dict[str, tuple]:
-        return _shapes(self._metadata(step, item), item)
+    def saved_shapes(self, step: int, item: str) -> dict[str, tuple]:
+        """``name -> shape`` of the item's saved arrays (see ``_shapes``), from its metadata."""
+        return _shapes(self.item_metadata(step, item), item)
 
-    def moving_average_shapes(self, step: int) -> dict[str, tuple]:
-        """``{"<var>/ExponentialMovingAverage": shape}`` of the step's moving averages (read
-        from the metadata of its optimizer state; see ``variables.moving_average_names``)."""
-        named = variables_lib.moving_average_names(self._metadata(step, "train"))
-        return {n: tuple(m.shape) for n, m in named.items()}
-
-    def moving_averages(self, step: int) -> dict[str, np.ndarray]:
-        """The step's moving averages as numpy arrays, named as ``moving_average_shapes``
-        (empty without an ``ExponentialMovingAverage`` in the train_op)."""
-        part = self._moving_average_part(step)
-        return {} if part is None else variables_lib.moving_average_names(part)
-
-    def moving_average_for_eval(self, step: int) -> dict[str, np.ndarray] | None:
-        """``{param name: shadow}`` of an ``ExponentialMovingAverage(use_for_eval=True)``
-        saved in the step, or None (no moving average, or one not meant for evaluation)."""
-        part = self._moving_average_part(step)
-        return None if part is None else variables_lib.moving_average_for_eval(part)
-
-    def _moving_average_part(self, step: int) -> Any:
-        """The moving averages (and their flags) of the step's optimizer state as numpy,
-        read without the rest of it where the tree allows; None when there are none."""
-        saved = self._metadata(step, "train")
-        if not variables_lib.moving_average_names(saved):
-            return None
-        try:
-            template = _moving_average_template(saved)
-            if template is None:  # inside a sequence (a chain): read the whole item
-                args = ocp.args.Composite(
-                    train=ocp.args.StandardRestore(self._host_template(step, "train"))
-                )
-                return self._manager.restore(step, args=args)["train"]
-            handler = ocp.PyTreeCheckpointHandler()
-            try:
-                restore_args = jax.tree.map(
-                    lambda _: ocp.RestoreArgs(restore_type=np.ndarray), template
-                )
-                args = ocp.args.PyTreeRestore(
-                    template, restore_args=restore_args, partial_restore=True
-                )
-                return handler.restore(epath.Path(self.path(step)) / "train", args=args)
-            finally:
-                handler.close()
-        except Exception as e:  # noqa: BLE001 - Orbax raises many types; we name the step
-            raise CheckpointError(
-                f"checkpoint {self.path(step)}: its moving averages could not be read ({_short(e)})"
-            ) from e
+    def host_item(self, step: int, item: str) -> Any:
+        """One item of one step as numpy arrays on the host, whatever devices wrote it
+        (Orbax's error as it raises it: the caller names what failed)."""
+        args = ocp.args.StandardRestore(self._host_template(step, item))
+        return self._manager.restore(step, args=ocp.args.Composite(**{item: args}))[item]
 
     def check_matches(self, step: int, *, variables: Any, train: Any = None) -> None:
         """Raises CheckpointMismatchError when the step holds another model's arrays."""
@@ -507,13 +362,11 @@ class Checkpoints:
         pairs = [("variables", variables)] + ([("train", train)] if train is not None else [])
         for item, template in pairs:
             problems += describe_mismatch(
-                self._saved_shapes(step, item), _shapes(template, item), item
+                self.saved_shapes(step, item), _shapes(template, item), item
             )
         if problems:
-            listed = "; ".join(problems[:_MAX_LISTED])
-            more = (
-                f"; and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
-            )
+            listed = "; ".join(problems[:MAX_LISTED])
+            more = f"; and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
             raise CheckpointMismatchError(
                 f"checkpoint {self.path(step)} does not match the model ({len(problems)} "
                 f"difference(s)): {listed}{more}. It was written by a different model_fn, params "
@@ -527,26 +380,20 @@ class Checkpoints:
         *,
         variables: Any = None,
         train: Any = None,
-        sources: dict[str, str] | None = None,
-        allow_extra: bool = False,
+        meta: dict | None = None,
     ) -> dict:
         """Restores one step into the given templates (arrays or shape/dtype/sharding structs).
 
         With ``variables=None`` the saved arrays are restored as numpy arrays on the host,
         whatever devices or processes wrote them (a pod's checkpoint reads on a laptop).
-        ``sources`` (``{model variable: checkpoint name}``, a Saver's mapping) and
-        ``allow_extra`` (checkpoint variables the model lacks are left out, named once in
-        the log) are for evaluate/predict/export; see ``restore_mapped``.
+        ``meta``: the step's ``meta(step)``, when the caller has read it already (a reader
+        choosing between this and a read by name, ``io/restore.py``).
 
         Raises:
           CheckpointMismatchError: the step holds a different model's variables.
           CheckpointError: the step is unreadable, naming why.
         """
-        meta = self.meta(step)
-        if variables is not None and train is None and (sources or allow_extra):
-            saved = self._saved_shapes(step, "variables")
-            if sources or not set(saved) <= set(_shapes(variables, "variables")):
-                return {"variables": self.restore_mapped(step, variables, sources), "meta": meta}
+        meta = self.meta(step) if meta is None else meta
         if variables is not None:
             self.check_matches(step, variables=variables, train=train)
         args = {
@@ -562,7 +409,7 @@ class Checkpoints:
             if variables is not None:
                 self._check_structure(step, variables=variables, train=train)
             raise CheckpointError(
-                f"checkpoint {self.path(step)} could not be restored: {_short(e)}"
+                f"checkpoint {self.path(step)} could not be restored: {short_error(e)}"
             ) from e
         return {**{k: out[k] for k in args}, "meta": meta}
 
@@ -580,64 +427,10 @@ class Checkpoints:
         if problems:
             raise CheckpointMismatchError(
                 f"checkpoint {self.path(step)} does not match the model ({len(problems)} "
-                f"difference(s)): {'; '.join(problems[:_MAX_LISTED])}. It was written by a "
+                f"difference(s)): {'; '.join(problems[:MAX_LISTED])}. It was written by a "
                 "different model_fn, params or train_op (another optimizer?); use a new "
                 "model_dir, or warm_start_from to load matching variables."
             )
-
-    def named_values(self, step: int, restored: dict | None = None) -> dict[str, np.ndarray]:
-        """Every saved variable of one step on the host, by its public name (the names
-        ``estimator.list_variables`` shows, ``global_step`` aside; moving averages included).
-        ``restored``: what ``restore(step)`` already returned (not read again)."""
-        out = restored if restored is not None else self.restore(step)
-        names = variables_lib.flatten(jax.device_get(dict(out["variables"])))
-        names.update(self.moving_averages(step))  # <var>/ExponentialMovingAverage
-        return names
-
-    def restore_mapped(
-        self, step: int, template: Any, sources: dict[str, str] | None = None
-    ) -> dict:
-        """The model's variables (``template``'s structure, dtypes and shardings) read by
-        name: each from ``sources.get(name, name)``. Checkpoint variables nothing reads are
-        left out and named once in the log (TF's Saver restores what it is asked for).
-
-        Raises:
-          CheckpointMismatchError: a variable's checkpoint name is missing or its shape
-            differs (every difference named).
-        """
-        sources = sources or {}
-        wanted = variables_lib.flatten(template)
-        unknown = sorted(set(sources) - set(wanted))
-        if unknown:
-            raise CheckpointMismatchError(
-                f"Saver var_list names variable(s) the model does not have: {unknown[:_MAX_LISTED]}"
-                f"; the model's are {sorted(wanted)[:_MAX_LISTED]}"
-            )
-        saved = self.named_values(step)
-        values, problems = {}, []
-        for name, spec in wanted.items():
-            src = sources.get(name, name)
-            label = name if src == name else f"{name} (from checkpoint name {src!r})"
-            if src not in saved:
-                problems.append(f"{label}: in the model {tuple(spec.shape)}, not in the checkpoint")
-            elif tuple(np.shape(saved[src])) != tuple(spec.shape):
-                problems.append(
-                    f"{label}: checkpoint shape {np.shape(saved[src])}, model shape {spec.shape}"
-                )
-            else:
-                values[name] = _placed(np.asarray(saved[src]), spec)
-        if problems:
-            more = len(problems) - _MAX_LISTED
-            raise CheckpointMismatchError(
-                f"checkpoint {self.path(step)} does not match the model ({len(problems)} "
-                f"difference(s)): {'; '.join(problems[:_MAX_LISTED])}"
-                f"{f'; and {more} more' if more > 0 else ''}. It was written by a different "
-                "model_fn or params (checkpoint variables the model lacks are left out; each "
-                "model variable must be there, or be mapped by a Saver's var_list); use a new "
-                "model_dir, or warm_start_from to load matching variables."
-            )
-        _log_unread(self.path(step), sorted(set(saved) - set(sources.get(n, n) for n in wanted)))
-        return variables_lib.unflatten_into(template, values)
 
     def verify(self, step: int) -> dict:
         """Reads every array of one step onto the host (the whole checkpoint, once) and
@@ -650,7 +443,7 @@ class Checkpoints:
             self._manager.restore(step, args=ocp.args.Composite(**args))
         except Exception as e:  # noqa: BLE001 - Orbax raises many types; we name the step
             raise CheckpointError(
-                f"checkpoint {self.path(step)} could not be restored: {_short(e)}"
+                f"checkpoint {self.path(step)} could not be restored: {short_error(e)}"
             ) from e
         return meta
 
@@ -748,15 +541,16 @@ class Checkpoints:
         train: Any = None,
         step: int | None = None,
         quarantine: bool = False,
-        sources: dict[str, str] | None = None,
-        allow_extra: bool = False,
+        read: Callable[[int], dict] | None = None,
     ) -> tuple[int, dict] | None:
         """The newest readable checkpoint (or ``step``), skipping broken ones with a warning.
 
         Args:
-          variables, train, sources, allow_extra: see ``restore``.
+          variables, train: see ``restore``.
           step: restore exactly this step (no fallback).
           quarantine: move damaged steps aside (trainers only; readers never touch files).
+          read: restores one step instead of ``restore`` into ``variables`` and ``train``
+            (evaluate's read by name, ``io/restore.py``); it raises as ``restore`` does.
 
         Returns None when there is no checkpoint at all.
 
@@ -764,13 +558,14 @@ class Checkpoints:
           CheckpointMismatchError: the newest readable step is another model's.
           CheckpointError: checkpoints exist but none can be read (never a silent fresh start).
         """
-        kwargs = {"sources": sources, "allow_extra": allow_extra}
+        if read is None:
+            read = functools.partial(self.restore, variables=variables, train=train)
         if step is not None:
-            return step, self.restore(step, variables=variables, train=train, **kwargs)
+            return step, read(step)
         errors, skipped = [], []
         for s in self._newest_first():
             try:
-                out = self.restore(s, variables=variables, train=train, **kwargs)
+                out = read(s)
             except CheckpointMismatchError:
                 raise
             except CheckpointError as e:
@@ -788,99 +583,4 @@ class Checkpoints:
         raise CheckpointError(
             f"no readable checkpoint in {self.directory}; refusing to start over existing work. "
             + " | ".join(errors)
-        )
-
-
-def resolve_path(checkpoint_path: str | None, model_dir: str) -> tuple[str, int | None]:
-    """``(model_dir, step)`` for a checkpoint path: a step directory (``model.ckpt-<step>``,
-    or an old ``checkpoints/<step>``), an old checkpoints directory, or a model_dir (meaning
-    its latest). None means this estimator's latest."""
-    if checkpoint_path is None:
-        return model_dir, None
-    path = storage.absolute(str(checkpoint_path))
-    parsed = step_names.parse_step_path(path)
-    if parsed is not None:
-        if not storage.isdir(path):
-            raise NoCheckpointError(f"checkpoint_path {checkpoint_path!r} does not exist")
-        return parsed
-    if storage.basename(path) == step_names.LEGACY_DIR:
-        return storage.dirname(path), None
-    legacy = storage.join(path, step_names.LEGACY_DIR)
-    if step_names.has_checkpoints(path) or storage.isdir(legacy):
-        return path, None
-    raise NoCheckpointError(
-        f"checkpoint_path {checkpoint_path!r} is not a checkpoint: expected "
-        "<model_dir>/model.ckpt-<step> or a model_dir"
-    )
-
-
-def read_variables(path: str) -> dict[str, Any]:
-    """Every saved variable of one checkpoint as ``name -> numpy array``.
-
-    ``path`` is a step directory or a model_dir (its newest readable checkpoint). ``params``
-    are named by module path (``dense1/kernel``); other collections keep their collection
-    name in front (``batch_stats/BatchNorm_0/mean``); an ``ExponentialMovingAverage``'s
-    shadows are ``dense1/kernel/ExponentialMovingAverage``; ``global_step`` is the step.
-
-    The arrays are read-only and shared: the last checkpoint read is kept (``_READ``) until
-    another is asked for or its directory changes, so reading a ResNet's 100 variables one
-    by one (``get_variable_value``, ``load_variable``) reads it once, not 100 times.
-
-    Raises:
-      NoCheckpointError: there is no checkpoint at ``path``.
-      CheckpointError: none is readable.
-    """
-    model_dir, step = resolve_path(path, storage.dirname(storage.dirname(path)))
-    ckpts = Checkpoints(model_dir, read_only=True)
-    wanted = step if step is not None else ckpts.newest_step()
-    # a checkpoint rewritten at the same step (a new run in the same model_dir) is a new
-    # directory, with another stamp
-    stamp = storage.stamp(ckpts.path(wanted)) if wanted is not None else None
-    with _READ_LOCK:
-        if stamp is not None and _READ.get("stamp") == stamp:
-            return dict(_READ["names"])
-    got = ckpts.restore_latest(step=step)
-    if got is None:
-        raise NoCheckpointError(f"No checkpoint found in {model_dir}")
-    step, out = got
-    names = ckpts.named_values(step, out)
-    names["global_step"] = out["meta"]["global_step"]
-    for value in names.values():
-        if isinstance(value, np.ndarray):
-            value.setflags(write=False)  # shared by every later read of this checkpoint
-    if step == wanted and stamp is not None:  # not a fallback from a damaged newest step
-        with _READ_LOCK:
-            _READ.clear()
-            _READ.update(stamp=stamp, names=names)
-    return dict(names)
-
-
-_READ: dict = {}  # the last checkpoint read_variables read: its directory's stamp, its names
-_READ_LOCK = threading.Lock()
-
-
-def _placed(value: np.ndarray, spec: Any) -> Any:
-    """``value`` as the template leaf wants it: its dtype, on its sharding when it has one
-    (each process places only its own shards, so this works across hosts)."""
-    value = value.astype(spec.dtype, copy=False)
-    sharding = getattr(spec, "sharding", None)
-    if sharding is None:
-        return value
-    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
-
-
-_LOGGED_UNREAD: set[tuple] = set()
-
-
-def _log_unread(path: str, names: list[str]) -> None:
-    """Names, once per checkpoint directory and set of names, the checkpoint variables a
-    mapped restore left unread (an EMA run's averages evaluated with EMA off, say)."""
-    key = (storage.dirname(path), tuple(names))
-    if names and key not in _LOGGED_UNREAD:
-        _LOGGED_UNREAD.add(key)
-        log.info(
-            "Checkpoint %s holds %d variable(s) the model does not read (left out): %s",
-            path,
-            len(names),
-            names[:_MAX_LISTED] + (["..."] if len(names) > _MAX_LISTED else []),
         )

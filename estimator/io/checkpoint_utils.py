@@ -26,7 +26,9 @@ import numpy as np
 
 from .. import storage
 from ..core.errors import EstimatorValueError
-from .checkpoint import Checkpoints, read_variables, resolve_path
+from .checkpoint import Checkpoints
+from .checkpoint_read import moving_average_shapes, read_variables
+from .model_dir import resolve_path
 from .step_names import has_checkpoints, parse_step_path
 
 log = logging.getLogger("estimator")
@@ -159,7 +161,7 @@ def list_variables(ckpt_or_dir: str) -> list[tuple[str, list[int]]]:
     """
     ckpts, step = _resolve(ckpt_or_dir)
     out = [("global_step", [])]
-    shapes = {**ckpts._saved_shapes(step, "variables"), **ckpts.moving_average_shapes(step)}
+    shapes = {**ckpts.saved_shapes(step, "variables"), **moving_average_shapes(ckpts, step)}
     for name, shape in shapes.items():
         out.append((name, [int(d) for d in shape]))
     return sorted(out)

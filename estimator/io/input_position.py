@@ -11,6 +11,8 @@ both batch sizes and the position used in every case, since an input whose order
 its batch size cannot be positioned exactly. A checkpoint without ``input_rows_per_pull``
 (written before) is fast-forwarded by pulls, as it was. An input restored with
 ``set_state`` keeps its own state; a warning says that the batch size changed.
+The position a checkpoint records is bounded by what its steps can have consumed
+(``checked_input_pulls``): a crafted count would fast-forward the input forever.
 
 Example:
   >>> skip = resume_pulls(meta, pulls_per_step=1, rows_per_pull=32, path="/runs/a/ckpt-24")
@@ -20,12 +22,40 @@ from __future__ import annotations
 
 import logging
 
-from .checkpoint import checked_input_pulls
+from ..core.errors import CheckpointError
 
 log = logging.getLogger("estimator")
 
 ROWS_KEY = "input_rows_per_pull"
 PROCESSES_KEY = "input_processes"
+
+
+def checked_input_pulls(meta: dict, *, pulls_per_step: int, path: str) -> int:
+    """The number of input batches a checkpoint says were consumed, bounded.
+
+    A resumed trainer fast-forwards a deterministic input by this many pulls; a crafted value
+    would make it read forever. Each step consumes ``pulls_per_step`` pulls; as many again are
+    allowed for short batches skipped in the stream (or exactly ``skipped_pulls`` when the
+    meta records them).
+
+    Raises:
+      CheckpointError: ``input_pulls`` is not a count, or more than the steps can have used.
+    """
+    pulls, step = meta.get("input_pulls", 0), int(meta.get("global_step", 0))
+    if isinstance(pulls, bool) or not isinstance(pulls, int) or pulls < 0:
+        raise CheckpointError(f"checkpoint {path}: meta input_pulls={pulls!r} is not a count")
+    skipped = meta.get("skipped_pulls")
+    extra = skipped if isinstance(skipped, int) and skipped >= 0 else step * pulls_per_step
+    limit = step * pulls_per_step + extra
+    if pulls > limit:
+        raise CheckpointError(
+            f"checkpoint {path}: meta input_pulls={pulls} is more than its {step} steps can "
+            f"have consumed ({limit} pulls at most, {pulls_per_step} per step); refusing to "
+            "fast-forward the input that far. The meta was edited or written by another "
+            "input pipeline: restore an intact checkpoint, or set "
+            "RunConfig(resume_input_position=False) to start the input from its beginning."
+        )
+    return pulls
 
 
 def resume_pulls(

@@ -41,7 +41,9 @@ from ..engine.state import (
 )
 from ..parallel import multihost, zero
 from . import checkpoint as ckpt_lib
+from . import checkpoint_read
 from . import variables as variables_lib
+from .model_dir import resolve_path
 from .store import StateStore
 
 log = logging.getLogger("estimator")
@@ -150,7 +152,7 @@ def restore_variables(
     Raises:
       NoCheckpointError: no checkpoint exists (TF: "Could not find trained model").
     """
-    model_dir, step = ckpt_lib.resolve_path(checkpoint_path, store.model_dir)
+    model_dir, step = resolve_path(checkpoint_path, store.model_dir)
     ckpts = store.reader(model_dir)
     read = functools.partial(
         _read, programs, store, mode, example, batch_size, ckpts, model_dir, step, saver_sources
@@ -227,16 +229,15 @@ def _read(
                 return _averaged(_gathered(programs, variables), shadow, last.step), last.step
     template = abstract_variables(programs, mode, example, batch_size)
     for attempt in range(_ROTATION_RETRIES + 1):
-        got = ckpts.restore_latest(
-            variables=template, step=step, sources=sources(), allow_extra=True
-        )
+        read_step = functools.partial(_read_step, ckpts, template=template, sources=sources())
+        got = ckpts.restore_latest(step=step, read=read_step)
         if got is None:
             raise NoCheckpointError(f"Could not find trained model in model_dir: {model_dir}")
         read, out = got
         try:
             # Checkpoints written before the flag existed are looked into.
             has = out["meta"].get("moving_average", True)
-            shadow = ckpts.moving_average_for_eval(read) if has else None
+            shadow = checkpoint_read.moving_average_for_eval(ckpts, read) if has else None
         except CheckpointError:
             # A trainer rotating checkpoints away may delete the step between the two reads:
             # read the newest again (a step asked for by path is not retried).
@@ -246,6 +247,21 @@ def _read(
         global_step = int(np.asarray(out["meta"]["global_step"]))
         return _averaged(out["variables"], shadow, read), global_step
     raise AssertionError("unreachable")  # the last attempt returns or raises
+
+
+def _read_step(
+    ckpts: ckpt_lib.Checkpoints, step: int, *, template: Any, sources: dict[str, str] | None
+) -> dict:
+    """One step's variables for evaluate, predict or export. A Saver's mapping (``sources``,
+    ``{model variable: checkpoint name}``), or a checkpoint holding variables the model lacks
+    (an EMA run's averages evaluated with EMA off), reads by name: the extras are left out and
+    named once in the log. Otherwise the whole item is restored, as training's resume does."""
+    meta = ckpts.meta(step)  # first: a damaged step is named as a whole restore names it
+    saved = ckpts.saved_shapes(step, "variables")
+    if sources or not set(saved) <= set(variables_lib.shapes(template)):
+        variables = checkpoint_read.restore_mapped(ckpts, step, template, sources)
+        return {"variables": variables, "meta": meta}
+    return ckpts.restore(step, variables=template, meta=meta)
 
 
 def _averaged(variables: dict, shadow: dict | None, step: int) -> dict:

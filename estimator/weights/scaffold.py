@@ -34,7 +34,7 @@ from ..core.errors import EstimatorTypeError, EstimatorValueError
 from ..core.saver import Saver
 from ..core.spec import ModeKeys
 from ..engine.traced import check_no_traced_values, traced_value_guard
-from ..io.checkpoint import read_variables
+from ..io.checkpoint_read import read_variables
 from ..io.variables import flatten, unflatten_into
 
 log = logging.getLogger("estimator")

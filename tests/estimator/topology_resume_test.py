@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from estimator.cluster import launch
-from estimator.io import checkpoint as ckpt_lib
+from estimator.io.checkpoint_read import read_variables
 from tests.estimator import _tf_style_job as job
 
 LEG_STEPS = 4
@@ -34,7 +34,7 @@ def reference(tmp_path_factory):
     est = job.build(model_dir)
     est.train(job.input_fn, max_steps=3 * LEG_STEPS)
     steps = range(LEG_STEPS, 3 * LEG_STEPS + 1, LEG_STEPS)
-    return {s: ckpt_lib.read_variables(os.path.join(model_dir, f"model.ckpt-{s}")) for s in steps}
+    return {s: read_variables(os.path.join(model_dir, f"model.ckpt-{s}")) for s in steps}
 
 
 def _run_legs(root, legs: list[tuple[int, int]]) -> str:
@@ -62,7 +62,7 @@ def _run_legs(root, legs: list[tuple[int, int]]) -> str:
 
 def _assert_each_leg_matches(model_dir: str, reference: dict) -> None:
     for step, want in reference.items():
-        got = ckpt_lib.read_variables(os.path.join(model_dir, f"model.ckpt-{step}"))
+        got = read_variables(os.path.join(model_dir, f"model.ckpt-{step}"))
         assert sorted(got) == sorted(want)
         for name, value in want.items():
             np.testing.assert_allclose(

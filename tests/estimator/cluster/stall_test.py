@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from estimator.cluster import launch, watchdog
-from estimator.io import checkpoint as ckpt_lib
+from estimator.io.checkpoint_read import read_variables
 from tests.estimator import _multihost_job as job
 
 JOB = [sys.executable, "-m", "tests.estimator._stall_job"]
@@ -113,8 +113,8 @@ def test_the_restart_resumes_bitwise_equal_to_a_run_that_never_stalled(runs):
     for log in runs["restart_logs"]:
         assert f"Restored checkpoint {runs['model_dir']}/model.ckpt-{job.SAVE_EVERY}" in log
         assert "DONE" in log
-    got = ckpt_lib.read_variables(runs["model_dir"])
-    want = ckpt_lib.read_variables(runs["reference_dir"])
+    got = read_variables(runs["model_dir"])
+    want = read_variables(runs["reference_dir"])
     assert sorted(got) == sorted(want) and int(got["global_step"]) == job.MAX_STEPS
     for name, value in want.items():
         a, b = np.asarray(got[name]), np.asarray(value)

@@ -10,7 +10,7 @@ import pytest
 
 from estimator.driver.evaluation import run_eval_loops
 from estimator.driver.training import run_train_loops
-from estimator.io import checkpoint
+from estimator.io.checkpoint_read import read_variables
 from tests import helpers as h
 
 from .jobs import Recorder, events, make_job
@@ -32,7 +32,7 @@ def model_dir(tmp_path_factory):
 
 def _reference(model_dir, rows: int) -> dict:
     """Loss and accuracy of the first ``rows`` eval examples, in numpy, from the checkpoint."""
-    saved = checkpoint.read_variables(str(model_dir))
+    saved = read_variables(str(model_dir))
     w1, b1, w2, b2 = (saved[n] for n in ("hidden/kernel", "hidden/bias", "out/kernel", "out/bias"))
     x, y = EX[:rows], EY[:rows]
     logits = np.maximum(x @ w1 + b1, 0) @ w2 + b2

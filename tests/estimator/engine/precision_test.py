@@ -87,7 +87,7 @@ def _train_state_dtypes(model_dir) -> set:
     """Dtypes of every floating leaf of the newest checkpoint's optimizer state, read raw."""
     ckpts = Checkpoints(str(model_dir), read_only=True)
     step = ckpts.steps()[-1]
-    shapes = ckpts._saved_shapes(step, "train")
+    shapes = ckpts.saved_shapes(step, "train")
     assert any(name.startswith("opt_state") for name in shapes), shapes
     import orbax.checkpoint as ocp
 

@@ -23,6 +23,7 @@ import pytest
 
 from estimator.io import checkpoint as ckpt_lib
 from estimator.io import meta_format, orbax_noise
+from estimator.io import model_dir as model_dir_lib
 from tests import helpers as h
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -66,7 +67,7 @@ def _assert_equal(got, want):
 
 
 def _moved_aside(model_dir, step: int) -> bool:
-    names = os.listdir(ckpt_lib.checkpoint_dir(str(model_dir)))
+    names = os.listdir(model_dir_lib.checkpoint_dir(str(model_dir)))
     return any(n.endswith(".unreadable") and str(step) in n for n in names)
 
 
@@ -113,7 +114,7 @@ def test_a_meta_nested_deeper_than_the_bound_is_damage(trained, tmp_path, caplog
     state: list = []
     for _ in range(meta_format.MAX_META_DEPTH + 5):
         state = [state]
-    path.write_text(json.dumps(ckpt_lib.with_checksum({**meta, "input_state": state})))
+    path.write_text(json.dumps(meta_format.with_checksum({**meta, "input_state": state})))
     got = _resume_to_8(model_dir, caplog)
     assert f"more than {meta_format.MAX_META_DEPTH} levels" in caplog.text
     _assert_equal(got, trained["at8"])

@@ -31,6 +31,7 @@ import estimator
 import hooks
 from estimator.io import checkpoint as ckpt_lib
 from estimator.io import lock as lock_lib
+from estimator.io import model_dir as model_dir_lib
 from tests import helpers as h
 from tests.estimator import _train_job as job
 
@@ -67,7 +68,7 @@ def _step_dir(model_dir, step: int) -> Path:
 
 def _on_disk(model_dir) -> list[str]:
     """Every name in the directory that holds the step directories."""
-    return sorted(os.listdir(ckpt_lib.checkpoint_dir(str(model_dir))))
+    return sorted(os.listdir(model_dir_lib.checkpoint_dir(str(model_dir))))
 
 
 @contextmanager

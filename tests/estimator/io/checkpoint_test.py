@@ -16,7 +16,6 @@ import os
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from estimator.io import checkpoint as ckpt_lib
@@ -266,20 +265,3 @@ def test_a_step_removed_while_being_read_is_not_reported_as_damaged(trained, tmp
         step, out = ckpts.restore_latest()
     assert step == 4 and out["meta"]["global_step"] == 4
     assert "unreadable" not in caplog.text
-
-
-def test_restore_reads_what_was_saved(trained, tmp_path):
-    """Raw reads (no template) give the arrays the estimator reports, bit for bit."""
-    model_dir = _copy(trained, tmp_path)
-    names = ckpt_lib.read_variables(str(model_dir / "model.ckpt-4"))
-    est = h.make_estimator(
-        model_dir,
-        params={"batch_norm": True},
-        ipl=2,
-        save_checkpoints_steps=2,
-        keep_checkpoint_max=None,
-    )
-    assert names["global_step"] == 4
-    latest = ckpt_lib.read_variables(str(model_dir))
-    for name in est.get_variable_names():
-        np.testing.assert_array_equal(latest[name], est.get_variable_value(name))

@@ -13,8 +13,8 @@ import numpy as np
 
 import estimator
 from estimator.cluster import launch
-from estimator.io import checkpoint as ckpt_lib
 from estimator.io import local_read
+from estimator.io.checkpoint_read import read_variables
 from tests.estimator import _tf_style_job as job
 
 TIMEOUTS = {"initialization_timeout": 60, "heartbeat_timeout": 8, "shutdown_timeout": 30}
@@ -63,7 +63,7 @@ def test_each_process_alone_reads_what_one_process_reads(tmp_path):
     rc, secs, logs = _run_two_processes(tmp_path, "--readers", "0,1")
     assert rc == 0, "\n".join(log[-3000:] for log in logs)
     model_dir = str(tmp_path / "model")
-    want_values = ckpt_lib.read_variables(model_dir)  # this (one) process's read
+    want_values = read_variables(model_dir)  # this (one) process's read
     want_latest = os.path.join(model_dir, "model.ckpt-6")
     for i in (0, 1):
         got = json.loads((tmp_path / "out" / f"process_{i}.json").read_text())

@@ -149,7 +149,7 @@ def test_a_meta_without_the_moving_average_flag_is_looked_into(tmp_path, monkeyp
         expected[name] = _evaluate(est)  # the state train left: the shadow where saved
         flags[name] = set(_without_the_flag(tmp_path / name))
     assert flags == {"plain": {False}, "avg": {True}}  # what each save recorded
-    read = _counting(monkeypatch, ckpt_lib.Checkpoints, "_metadata")
+    read = _counting(monkeypatch, ckpt_lib.Checkpoints, "item_metadata")
     for name in runs:
         read.clear()
         evaluator = h.make_estimator(tmp_path / name, _model_fn(lambda: None), ipl=2)

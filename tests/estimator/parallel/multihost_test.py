@@ -22,7 +22,7 @@ import pytest
 import estimator
 import models
 from estimator.cluster import launch, watchdog
-from estimator.io import checkpoint as ckpt_lib
+from estimator.io.checkpoint_read import read_variables
 from estimator.parallel import multihost
 from models.datasets import shard_batches
 from tests.estimator import _multihost_job as job
@@ -123,7 +123,7 @@ def reference(tmp_path_factory):
     est.train(fns["train"], max_steps=job.MAX_STEPS)
     return {
         "model_dir": model_dir,
-        "params": ckpt_lib.read_variables(model_dir),
+        "params": read_variables(model_dir),
         "eval": est.evaluate(fns["eval"]),
         "predict": [int(p["class_ids"]) for p in est.predict(fns["predict"])],
     }
@@ -235,7 +235,7 @@ def test_restarting_both_processes_resumes_from_the_checkpoint(two_process_runs)
 def test_two_processes_match_one_process(two_process_runs, reference):
     """Params (after the kill and resume), eval results and predictions equal one 8-device
     process; both processes return identical eval results."""
-    params = ckpt_lib.read_variables(two_process_runs["model_dir"])
+    params = read_variables(two_process_runs["model_dir"])
     assert sorted(params) == sorted(reference["params"])
     for name, want in reference["params"].items():
         np.testing.assert_allclose(params[name], want, rtol=1e-5, atol=1e-6, err_msg=name)
@@ -294,7 +294,7 @@ def test_two_processes_with_split_params_match_one_replicated_process(tmp_path, 
     rc = launch.wait_all(procs, timeout=RUN_TIMEOUT, grace=20)
     logs = [(tmp_path / "logs" / f"process_{i}.log").read_text() for i in (0, 1)]
     assert rc == 0, "\n".join(log[-3000:] for log in logs)
-    params = ckpt_lib.read_variables(model_dir)
+    params = read_variables(model_dir)
     assert sorted(params) == sorted(reference["params"])
     for name, want in reference["params"].items():
         np.testing.assert_allclose(params[name], want, rtol=1e-5, atol=1e-6, err_msg=name)

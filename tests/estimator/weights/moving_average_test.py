@@ -287,13 +287,13 @@ def test_evaluate_from_disk_looks_for_a_shadow_only_where_the_meta_says_one_was_
     avg = _est(tmp_path, "avg", lambda: ema.apply(optax.sgd(0.5)))
     _train(plain, 2), _train(avg, 2)
     read = []
-    original = ckpt_lib.Checkpoints._metadata
+    original = ckpt_lib.Checkpoints.item_metadata
 
     def recording(self, step, item):
         read.append(item)
         return original(self, step, item)
 
-    monkeypatch.setattr(ckpt_lib.Checkpoints, "_metadata", recording)
+    monkeypatch.setattr(ckpt_lib.Checkpoints, "item_metadata", recording)
     expected_plain = _evaluate(plain)
     assert _evaluate(_est(tmp_path, "plain", lambda: None)) == expected_plain
     assert "train" not in read  # the meta said no moving average: nothing else is opened
