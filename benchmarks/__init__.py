@@ -6,7 +6,8 @@ Each benchmark is a module run from the repository root, for example::
     python -m benchmarks.train_throughput --quick    # seconds: a smoke run with tiny sizes
 
 Modules: ``train_throughput``, ``host_call_overhead``, ``eval_throughput``, ``startup``,
-``input_overlap``. They are not part of the test suite (``tests/benchmarks_smoke_test.py``
+``input_overlap``, ``feature_costs`` (each trainer feature against the same feature written
+by hand, ``_hand_written``), and the others docs/performance.md lists. They are not part of the test suite (``tests/benchmarks_smoke_test.py``
 only checks that each one runs and prints its rows). See the README (Performance) for the
 latest numbers and how to read them.
 

@@ -435,7 +435,7 @@ def lm_loop_memory(layout: str, s: dict, tmp: str) -> dict:
     abstract = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state
     )
-    loop = est._job.programs.train(s["batch"] // est.num_replicas)
+    loop = est._job.programs.train_for(abstract, s["batch"] // est.num_replicas)
     return progress.program_memory(loop.lower(abstract, xs, ys).compile()) or {}
 
 

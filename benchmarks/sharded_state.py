@@ -185,13 +185,14 @@ def abstract_state(est: estimator.TPUEstimator, layout: str, size: dict) -> Trai
 def program_memory(est: estimator.TPUEstimator, layout: str, size: dict) -> dict:
     """Per-device bytes of the compiled train loop (XLA ``memory_analysis``), compiled for
     abstract state (nothing is allocated, so large widths can be measured too)."""
-    loop = est._job.programs.train(size["batch"] // est.num_replicas)
+    state = abstract_state(est, layout, size)
+    loop = est._job.programs.train_for(state, size["batch"] // est.num_replicas)
     sharding = NamedSharding(est.mesh, P(None, "data"))
     xs = jax.ShapeDtypeStruct(
         (size["ipl"], size["batch"], size["features"]), jnp.float32, sharding=sharding
     )
     ys = jax.ShapeDtypeStruct((size["ipl"], size["batch"]), jnp.int32, sharding=sharding)
-    compiled = loop.lower(abstract_state(est, layout, size), xs, ys).compile()
+    compiled = loop.lower(state, xs, ys).compile()
     return progress.program_memory(compiled) or {}
 
 

@@ -220,7 +220,7 @@ def loop_temp_bytes(k: int, size: dict, model_dir: str) -> int:
     )
     est.train(_input_fn(x, y), steps=1)  # the live state the loop is lowered for
     state = est._job.store.last.state
-    loop = est._job.programs.train(size["batch"] // est.num_replicas)
+    loop = est._job.programs.train_for(state, size["batch"] // est.num_replicas)
     sharding = NamedSharding(est.mesh, P(None, "data"))
     xs = jax.ShapeDtypeStruct((1, size["batch"], size["features"]), jnp.float32, sharding=sharding)
     ys = jax.ShapeDtypeStruct((1, size["batch"]), jnp.int32, sharding=sharding)

@@ -69,6 +69,15 @@ EXPECTED = {
         ("mlp", "2", "estimator, adam + ExponentialMovingAverage"),
     ],
     "reporting_overhead": [("mlp", "2", "reporting off"), ("mlp", "2", "reporting on")],
+    "feature_costs": [
+        ("plain",),
+        ("bf16 compute",),
+        ("4 micro-batches",),
+        ("moving average",),
+        ("host_call every step",),
+        ("ZeRO-1",),
+        ("FSDP",),
+    ],
     "auto_loop": [("mlp", "1"), ("mlp", "2"), ("mlp", "auto")],
 }
 

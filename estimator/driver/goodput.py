@@ -19,6 +19,13 @@ reported inside it, so the parts sum to the wall time by construction. Outside a
 ``Goodput`` (evaluation, other threads) the marks do nothing; inside, a mark costs two clock
 reads.
 
+These marks are not the stall watchdog's (``cluster/progress.enter``), though a few sites
+carry both: the watchdog's count the same sequence of calls on every process, evaluation and
+prediction included (``dispatch`` marks each call), while goodput attributes time of the
+``train`` call only, so an evaluation inside ``train_and_evaluate`` stays ``host`` time
+rather than becoming ``productive`` or ``input_wait``. One mark feeding both would have to
+carry that distinction at every site.
+
 Across restarts the totals accumulate through ``goodput.json`` in model_dir
 (``goodput_record``): the totals at each checkpoint and up to the last loop, with the step
 reached, so a run restarted from a checkpoint counts the time the previous run spent after

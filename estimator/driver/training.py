@@ -324,7 +324,7 @@ class TrainRun:
         programs, batch, steps = self.job.programs, self.input.model_batch, first.steps
 
         def compiled():  # what the calls ran: compiled ahead or loaded, else in jit's cache
-            loop = programs.train(batch, per_step_flags=programs.per_step_flags(args[0]))
+            loop = programs.train_for(args[0], batch)
             return loop.executable(steps) or loop.lower(*args).compile()
 
         return compiled
@@ -335,10 +335,11 @@ class TrainRun:
         job, options = self.job, self.job.options
         runner, saver, session, _ = self.attached
         state = self.trained.state
-        per_step = job.programs.per_step_flags(state)
-        program = job.programs.train(self.input.model_batch, per_step_flags=per_step)
+        program = job.programs.train_for(state, self.input.model_batch)
         names = nonfinite.state_leaf_names(state.params, state.state, state.opt_state)
-        guard = nonfinite.FiniteGuard(names, per_step=per_step, replay_loop=self._replay_loop())
+        guard = nonfinite.FiniteGuard(
+            names, per_step=job.programs.per_step_flags(state), replay_loop=self._replay_loop()
+        )
         runner.begin()
         for listener in saver.listeners:
             listener.begin()

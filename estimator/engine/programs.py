@@ -124,6 +124,12 @@ class Programs:
             ),
         )
 
+    def train_for(self, state: Any, batch_size: int) -> Callable:
+        """The train program a call on ``state`` runs: ``train(batch_size, per_step_flags=
+        per_step_flags(state))``. Training, compiling ahead and the memory figures all take
+        it from here, so they measure the program that runs."""
+        return self.train(batch_size, per_step_flags=self.per_step_flags(state))
+
     def keeps_train_input(self) -> bool:
         """Whether the per-call train program keeps (does not donate) its input state."""
         return self.options.keeps_input(per_step_flags=False)
@@ -192,7 +198,7 @@ class Programs:
         features, labels = jax.tree.map(like, tuple(example))
         leaves = jax.tree.leaves(features)
         batch = leaves[0].shape[1] // self.mesh.shape[DATA]
-        loop = self.train(batch, per_step_flags=self.per_step_flags(state))
+        loop = self.train_for(state, batch)
         loop.compile_ahead(leaves[0].shape[0], (state, features, labels))
         return True
 

@@ -304,7 +304,7 @@ class _Run:
         state = fresh_train_state(programs, self.place(*_batches(self.mesh.shape[DATA])), ROWS)
         self.shardings = jax.tree.map(lambda a: a.sharding, state)
         self.values = jax.device_get(state) if like is None else like.values
-        self.loop = programs.train(ROWS, per_step_flags=programs.per_step_flags(state))
+        self.loop = programs.train_for(state, ROWS)
 
     def place(self, features, labels) -> tuple:
         """Host batches split over "data", as the input side places them."""

@@ -83,6 +83,38 @@ def test_a_second_call_of_a_kind_and_batch_compiles_nothing(tmp_path):
     assert int(state.step) == 6
 
 
+@pytest.mark.parametrize(
+    "share, skip_nonfinite, per_step, donated",
+    [
+        (1 / 16, False, False, False),  # a small state: kept for a replay, checked per call
+        (1e-12, False, True, True),  # a state too large to keep twice: per-step flags
+        (1 / 16, True, False, True),  # skipped steps: nothing to replay, the state donated
+    ],
+)
+def test_train_for_is_the_program_training_runs_and_memory_is_measured_on(
+    tmp_path, monkeypatch, share, skip_nonfinite, per_step, donated
+):
+    """The train program for a state: the per-call program that keeps its input (one more
+    copy of the state in the loop's memory) only where that copy is cheap; otherwise the
+    per-step one, whose input state is donated (its outputs alias it)."""
+    from estimator.engine import programs as programs_module
+
+    monkeypatch.setattr(programs_module, "KEPT_STATE_SHARE", share)
+    programs = make_job(tmp_path, batch=8, skip_nonfinite_steps=skip_nonfinite).programs
+    features, labels, _ = _stacked(programs, 2, 8)
+    state = fresh_train_state(programs, (features, labels), 8)
+    loop = programs.train_for(state, 8)
+    assert programs.per_step_flags(state) is per_step
+    assert loop is programs.train(8, per_step_flags=per_step)
+
+    def abstract(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+    compiled = loop.lower(*jax.tree.map(abstract, (state, features, labels))).compile()
+    aliased = compiled.memory_analysis().alias_size_in_bytes
+    assert (aliased > 0) is donated, aliased
+
+
 def test_infer_runs_eval_or_predict_only(tmp_path):
     with pytest.raises(EstimatorValueError, match="EVAL or PREDICT"):
         _programs(tmp_path).infer(ModeKeys.TRAIN, 2)

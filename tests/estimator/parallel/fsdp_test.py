@@ -60,7 +60,7 @@ def _compiled_loop(est):
     sharding = NamedSharding(est.mesh, P(None, "data"))
     xs = jax.ShapeDtypeStruct((2, 16, FEATURES), jnp.float32, sharding=sharding)
     ys = jax.ShapeDtypeStruct((2, 16), jnp.int32, sharding=sharding)
-    loop = est._job.programs.train(16 // est.num_replicas)
+    loop = est._job.programs.train_for(abstract, 16 // est.num_replicas)
     return loop.lower(abstract, xs, ys).compile()
 
 
