@@ -38,9 +38,12 @@ log = logging.getLogger("estimator")
 
 
 # A train call's input state is kept for a replay (the check of a call's result finds the
-# step only on failure) when one more copy of the state fits in this share of a device's
-# memory; otherwise every step is checked, which costs a pass over the state per step.
+# step only on failure) when the copies that costs fit in this share of a device's memory;
+# otherwise every step is checked, which costs a pass over the state per step. Kept, the
+# state is not donated, and with dispatch one call ahead three copies are alive where
+# donation keeps one (docs/performance.md, finding 17): two more.
 KEPT_STATE_SHARE = 1 / 16
+KEPT_COPIES = 2
 
 
 def _shard_bytes(x: Any) -> int:
@@ -136,14 +139,15 @@ class Programs:
 
     def per_step_flags(self, state: Any) -> bool:
         """Whether training checks the state every step (``train(per_step_flags=True)``):
-        only when keeping a call's input state for a replay is not cheap, i.e. the state
-        (``TrainState`` of arrays or ``ShapeDtypeStruct``s with shardings) takes more than
-        ``KEPT_STATE_SHARE`` of a device's memory."""
+        only when keeping a call's input state for a replay is not cheap, i.e. the
+        ``KEPT_COPIES`` more copies of the state (``TrainState`` of arrays or
+        ``ShapeDtypeStruct``s with shardings) take more than ``KEPT_STATE_SHARE`` of a
+        device's memory."""
         if not self.keeps_train_input():
             return False
         held = (state.params, state.state, state.opt_state)
         per_device = sum(_shard_bytes(x) for x in jax.tree.leaves(held))
-        return per_device > KEPT_STATE_SHARE * _device_bytes(self.mesh)
+        return KEPT_COPIES * per_device > KEPT_STATE_SHARE * _device_bytes(self.mesh)
 
     def _make_train_loop(self, batch_size: int, per_step_flags: bool) -> Callable:
         return make_train_loop(
