@@ -36,6 +36,7 @@ _EXPORTS = {
         "NoCheckpointError",
     ),
     ".core.export_output": ("ClassificationOutput", "PredictOutput", "RegressionOutput"),
+    ".core.protos": ("ConfigProto", "GraphOptions", "rewriter_config_pb2"),
     ".exporters": ("BestExporter", "Exporter", "FinalExporter", "LatestExporter"),
     ".core.input_context": ("InputContext",),
     ".io.export": ("build_raw_serving_input_receiver_fn", "load_saved_model"),
@@ -69,7 +70,7 @@ _EXPORTS = {
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 # Submodules that are public names themselves (``estimator.summary.scalar``), and where they live.
-_SUBMODULES = {"export": ".export", "summary": ".core.summary"}
+_SUBMODULES = {"errors": ".core.errors", "export": ".export", "summary": ".core.summary"}
 # Derived from the table: one list of public names (the TYPE_CHECKING block at the end must
 # import the same names from the same modules; tests/estimator/architecture_test.py checks it).
 # A TF private name kept for ported code (``_load_global_step_from_checkpoint_dir``) resolves
@@ -118,6 +119,7 @@ sys.modules[__name__].__class__ = _Package
 if TYPE_CHECKING:  # _EXPORTS spelled out for type checkers (``X as X``: re-exported)
     from . import export as export
     from .cluster.cluster import TPUClusterResolver as TPUClusterResolver
+    from .core import errors as errors
     from .core import summary as summary
     from .core.config import InputPipelineConfig as InputPipelineConfig
     from .core.config import RunConfig as RunConfig
@@ -134,6 +136,9 @@ if TYPE_CHECKING:  # _EXPORTS spelled out for type checkers (``X as X``: re-expo
     from .core.export_output import PredictOutput as PredictOutput
     from .core.export_output import RegressionOutput as RegressionOutput
     from .core.input_context import InputContext as InputContext
+    from .core.protos import ConfigProto as ConfigProto
+    from .core.protos import GraphOptions as GraphOptions
+    from .core.protos import rewriter_config_pb2 as rewriter_config_pb2
     from .core.saver import Saver as Saver
     from .core.spec import EstimatorSpec as EstimatorSpec
     from .core.spec import ModeKeys as ModeKeys

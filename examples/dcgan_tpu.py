@@ -232,20 +232,28 @@ def model_fn(features, labels, mode, params):
             d_optimizer = estimator.CrossShardOptimizer(d_optimizer)  # changed: namespace
             g_optimizer = estimator.CrossShardOptimizer(g_optimizer)  # changed: namespace
 
-        # changed: no tf.control_dependencies(UPDATE_OPS): batch statistics are state
-        d_step = estimator.minimize(  # changed: optimizer.minimize -> estimator.minimize
-            d_loss,
-            d_optimizer,  # changed: the optimizer is an argument
-            var_list=estimator.trainable_variables(scope="Discriminator"),  # changed: namespace
-        )
-        g_step = estimator.minimize(  # changed: optimizer.minimize -> estimator.minimize
-            g_loss,
-            g_optimizer,  # changed: the optimizer is an argument
-            var_list=estimator.trainable_variables(scope="Generator"),  # changed: namespace
-        )
+        with estimator.control_dependencies(  # changed: namespace
+            estimator.get_collection(estimator.GraphKeys.UPDATE_OPS)  # changed: namespace
+        ):
+            d_step = estimator.minimize(  # changed: optimizer.minimize -> estimator.minimize
+                d_loss,
+                d_optimizer,  # changed: the optimizer is an argument
+                var_list=estimator.get_collection(  # changed: namespace
+                    estimator.GraphKeys.GLOBAL_VARIABLES,
+                    scope="Discriminator",  # changed: ns
+                ),
+            )
+            g_step = estimator.minimize(  # changed: optimizer.minimize -> estimator.minimize
+                g_loss,
+                g_optimizer,  # changed: the optimizer is an argument
+                var_list=estimator.get_collection(  # changed: namespace
+                    estimator.GraphKeys.GLOBAL_VARIABLES,
+                    scope="Generator",  # changed: ns
+                ),
+            )
 
-        # changed: no increment_step: the estimator advances global_step once per step
-        joint_op = estimator.group([d_step, g_step])  # changed: tf.group -> estimator.group
+            # changed: no increment_step: the estimator advances global_step once per step
+            joint_op = estimator.group([d_step, g_step])  # changed: tf.group -> estimator.group
 
         return tpu.TPUEstimatorSpec(mode=mode, loss=g_loss, train_op=joint_op)  # changed: ns
 
@@ -290,7 +298,7 @@ def noise_input_fn(params):
 def main(argv):
     del argv
     tpu_cluster_resolver = estimator.TPUClusterResolver(  # changed: namespace
-        FLAGS.tpu if (FLAGS.tpu or FLAGS.use_tpu) else "",  # changed: "" for one device
+        FLAGS.tpu,
         zone=FLAGS.tpu_zone,
         project=FLAGS.gcp_project,
     )

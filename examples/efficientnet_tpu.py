@@ -33,8 +33,11 @@ from absl import app, flags, logging
 
 import estimator as estimator_lib  # changed: the local `est` keeps the reference's name free
 import metrics  # changed: tf.metrics -> the host-side metrics package
+from estimator import (
+    rewriter_config_pb2,  # changed: namespace
+    tpu,  # changed: tf.estimator.tpu -> estimator.tpu
+)
 from estimator import summary as tf2_summary  # changed: tf2.summary -> estimator.summary
-from estimator import tpu  # changed: tf.estimator.tpu -> estimator.tpu
 
 flags.DEFINE_string("tpu", default=None, help="TPU name, or None for the local devices.")
 flags.DEFINE_string("tpu_zone", default=None, help="[Optional] GCE zone (ignored here).")
@@ -158,7 +161,7 @@ def model_fn(features, labels, mode, params):
         ]
     )
 
-    global_step = estimator_lib.get_or_create_global_step()  # changed: namespace
+    global_step = estimator_lib.get_global_step()  # changed: namespace
     has_moving_average_decay = FLAGS.moving_average_decay > 0
     if has_moving_average_decay:
         ema = estimator_lib.ExponentialMovingAverage(  # changed: namespace
@@ -322,7 +325,11 @@ def main(unused_argv):
         model_dir=FLAGS.model_dir,
         save_checkpoints_steps=save_checkpoints_steps,
         log_step_count_steps=FLAGS.iterations_per_loop,
-        session_config={"disable_meta_optimizer": True},  # changed: no tf.ConfigProto; warned
+        session_config=estimator_lib.ConfigProto(  # changed: namespace (ignored, warned)
+            graph_options=estimator_lib.GraphOptions(  # changed: namespace
+                rewrite_options=rewriter_config_pb2.RewriterConfig(disable_meta_optimizer=True)
+            )
+        ),
         tpu_config=tpu.TPUConfig(  # changed: namespace
             iterations_per_loop=FLAGS.iterations_per_loop,
             per_host_input_for_training=tpu.InputPipelineConfig.PER_HOST_V2,  # changed: ns
@@ -376,7 +383,7 @@ def main(unused_argv):
                 if current_step >= FLAGS.train_steps:
                     logging.info("Evaluation finished after training step %d", current_step)
                     break
-            except estimator_lib.NoCheckpointError:  # changed: tf.errors.NotFoundError
+            except estimator_lib.errors.NotFoundError:  # changed: namespace
                 logging.info("Checkpoint %s no longer exists, skipping checkpoint", ckpt)
     else:  # FLAGS.mode == 'train' or FLAGS.mode == 'train_and_eval'
         current_step = estimator_lib._load_global_step_from_checkpoint_dir(  # changed: ns

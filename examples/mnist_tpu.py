@@ -164,10 +164,9 @@ def main(argv):
     run_config = tpu.RunConfig(  # changed: namespace
         cluster=tpu_cluster_resolver,
         model_dir=FLAGS.model_dir,
-        session_config={  # changed: no tf.ConfigProto; accepted and ignored with a warning
-            "allow_soft_placement": True,
-            "log_device_placement": True,
-        },
+        session_config=estimator_lib.ConfigProto(  # changed: namespace (ignored, warned)
+            allow_soft_placement=True, log_device_placement=True
+        ),
         tpu_config=tpu.TPUConfig(FLAGS.iterations, FLAGS.num_shards),  # changed: namespace
     )
 

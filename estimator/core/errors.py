@@ -59,3 +59,9 @@ class NoCheckpointError(CheckpointError, EstimatorValueError):
     Also an ``EstimatorValueError`` (what a missing ``checkpoint_path`` raised before), so
     existing ``except`` clauses still catch it.
     """
+
+
+#: TF's name, for a ported ``except tf.errors.NotFoundError`` around ``evaluate(
+#: checkpoint_path=...)``: ``except estimator.errors.NotFoundError``. The same class as
+#: ``NoCheckpointError`` (here only a missing checkpoint raises it; TF's covered any file).
+NotFoundError = NoCheckpointError
