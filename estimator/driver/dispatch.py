@@ -64,7 +64,11 @@ def loops_of(chunks: Iterator, first: Any = None) -> Iterator[tuple[int, Iterato
 
 
 def dispatch(
-    calls: Iterable, *, launch: Callable[[Any], Any], fetch: Callable[[Any], Any]
+    calls: Iterable,
+    *,
+    launch: Callable[[Any], Any],
+    fetch: Callable[[Any], Any],
+    ahead: bool = True,
 ) -> Iterator[tuple[Any, Any]]:
     """Runs each call; yields ``(chunk, fetched outputs)`` in order, one call behind.
 
@@ -72,19 +76,29 @@ def dispatch(
     outputs; ``fetch(outputs)`` copies them to the host, which waits for that call. Call
     ``i`` is fetched only once call ``i + 1`` is queued, so the devices have work while the
     host copies, and at most two calls and their inputs are in flight (XLA:CPU aborts with
-    many queued collective programs). The chunks yielded no longer hold their device input:
-    ``features``, ``labels`` and ``mask`` become ``InputShape``s of it.
+    many queued collective programs). With ``ahead=False`` call ``i`` is fetched (and the
+    consumer has seen it) before call ``i + 1`` is launched: what the consumer drops then
+    (a train call's input state kept for a replay) is freed before the next call allocates
+    its outputs. The chunks yielded no longer hold their device input: ``features``,
+    ``labels`` and ``mask`` become ``InputShape``s of it.
     """
     pending = None
     # Phases marked so the stall watchdog can say what a stuck process was doing.
+    # A yielded call's outputs are popped from this frame first: once the consumer drops
+    # them, nothing here keeps them alive.
     for chunk in progress.each(calls, "input", then="step"):
-        out = launch(chunk)
-        chunk = chunk._replace(**{k: _shapes(getattr(chunk, k)) for k in _INPUTS})
+        if not ahead and pending is not None:
+            done, pending = pending, None
+            yield done[0], fetch(done.pop())
+        current = [None, launch(chunk)]
+        current[0] = chunk._replace(**{k: _shapes(getattr(chunk, k)) for k in _INPUTS})
+        del chunk
         if pending is not None:
-            yield pending[0], fetch(pending[1])
-        pending = (chunk, out)
+            done, pending = pending, None
+            yield done[0], fetch(done.pop())
+        pending = current
     if pending is not None:
-        yield pending[0], fetch(pending[1])
+        yield pending[0], fetch(pending.pop())
 
 
 _INPUTS = ("features", "labels", "mask")

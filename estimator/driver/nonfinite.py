@@ -121,7 +121,11 @@ class FiniteGuard:
 
     def keeps(self, steps: int) -> bool:
         """Whether a call of ``steps`` steps must keep its input (``Replay``) for a replay."""
-        return not self.per_step and self.replay_loop is not None and steps > 1
+        return self.keeps_any() and steps > 1
+
+    def keeps_any(self) -> bool:
+        """Whether calls (of more than one step) keep their input for a replay."""
+        return not self.per_step and self.replay_loop is not None
 
     def check(self, flags, losses, steps: np.ndarray, source: Replay | None) -> None:
         """Raises ``NanLossDuringTrainingError`` if the call left a non-finite state.

@@ -7,6 +7,7 @@ The references are event logs and groupings the tests write out by hand.
 from __future__ import annotations
 
 import doctest
+import weakref
 from typing import Any, NamedTuple
 
 import jax
@@ -102,6 +103,45 @@ def test_each_call_is_fetched_once_the_next_is_queued(calls):
     if calls:
         want += [("fetch", calls - 1), ("yield", calls - 1)]
     assert events == want
+
+
+@pytest.mark.parametrize("calls", [0, 1, 3])
+def test_not_ahead_the_consumer_sees_each_call_before_the_next_is_launched(calls):
+    events: list[tuple[str, int]] = []
+    chunks = [Chunk(i + 1, i == calls - 1, loop_steps=i) for i in range(calls)]
+
+    def launch(chunk):
+        events.append(("launch", chunk.loop_steps))
+        return chunk.loop_steps
+
+    for _, out in dispatch(chunks, launch=launch, fetch=lambda o: o, ahead=False):
+        events.append(("yield", out))
+    assert events == [e for i in range(calls) for e in (("launch", i), ("yield", i))]
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_outputs_the_consumer_drops_are_not_kept_alive_by_dispatch(ahead):
+    """What a call returned (a kept input state) is freed once the consumer drops it: with
+    ``ahead=False`` before the next call is launched, else before the one after."""
+
+    class Out:
+        pass
+
+    alive: list[weakref.ref] = []
+    freed_at_launch = []
+
+    def launch(chunk):
+        freed_at_launch.append([r() is None for r in alive])
+        out = Out()
+        alive.append(weakref.ref(out))
+        return out
+
+    chunks = [Chunk(1, i == 3, loop_steps=i) for i in range(4)]
+    for _, out in dispatch(chunks, launch=launch, fetch=lambda o: o, ahead=ahead):
+        del out
+    lag = 1 if not ahead else 2  # calls launched since a call's outputs were last needed
+    for i, freed in enumerate(freed_at_launch):
+        assert freed == [j <= i - lag for j in range(i)], (i, freed)
 
 
 def test_yielded_chunks_keep_the_input_shapes_not_the_arrays():
