@@ -40,8 +40,9 @@ log = logging.getLogger("estimator")
 # A train call's input state is kept for a replay (the check of a call's result finds the
 # step only on failure) when the copies that costs fit in this share of a device's memory;
 # otherwise every step is checked, which costs a pass over the state per step. Kept, the
-# state is not donated, and with dispatch one call ahead three copies are alive where
-# donation keeps one (docs/performance.md, finding 17): two more.
+# state is not donated: two copies are alive where donation keeps one (such a call is
+# fetched before the next is launched), and on CPU the host's peak grew by about twice the
+# state's size (docs/performance.md, finding 17): counted as two more copies.
 KEPT_STATE_SHARE = 1 / 16
 KEPT_COPIES = 2
 
