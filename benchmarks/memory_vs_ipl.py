@@ -130,12 +130,12 @@ class CallSizes:
         self._dispatch = dispatch
         self._original = dispatch.dispatch
 
-        def spy(calls, *, launch, fetch):
+        def spy(calls, *, launch, fetch, **options):
             def counted(chunk):
                 self.steps.append(chunk.steps)
                 return launch(chunk)
 
-            return self._original(calls, launch=counted, fetch=fetch)
+            return self._original(calls, launch=counted, fetch=fetch, **options)
 
         dispatch.dispatch = spy
 

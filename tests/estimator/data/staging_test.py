@@ -107,14 +107,14 @@ def _spy_calls(monkeypatch) -> list:
     loops = []
     original = dispatch.dispatch
 
-    def spy(calls, *, launch, fetch):
+    def spy(calls, *, launch, fetch, **options):
         loops.append([])
 
         def counted(chunk):
             loops[-1].append(chunk.steps)
             return launch(chunk)
 
-        return original(calls, launch=counted, fetch=fetch)
+        return original(calls, launch=counted, fetch=fetch, **options)
 
     monkeypatch.setattr(dispatch, "dispatch", spy)
     return loops
