@@ -159,6 +159,8 @@ class _Watchdog:
         self.model_dir: str | None = None
         self.latest_checkpoint: Callable[[str], str | None] | None = None
         self.exiting = False
+        self.stopped = threading.Event()  # set once JAX's client is shut down at exit
+        self.threads: list[threading.Thread] = []
         self.lock = threading.Lock()
         self.exit_lock = threading.Lock()
 
@@ -175,20 +177,20 @@ class _Watchdog:
             time.sleep(self.interval)
 
     def read(self) -> None:
-        while True:
+        while not self.stopped.is_set():
             self._observe()
-            time.sleep(self.interval)
+            self.stopped.wait(self.interval)
 
     def judge(self) -> None:
-        while True:
+        while not self.stopped.is_set():
             with self.lock:
                 others = [p for i, p in self.procs.items() if i != self.me]
                 if all(p.value == _EXITED for p in others) and self.published is None:
                     return  # every peer ended normally: nothing left to lose
             verdict = self._verdict()
-            if verdict is not None:
+            if verdict is not None and not self.stopped.is_set():
                 self._conclude(verdict, tell=time.monotonic() - self.service_ok_at < self.bound)
-            time.sleep(self.interval)
+            self.stopped.wait(self.interval)
 
     def _observe(self) -> None:
         try:
@@ -367,13 +369,27 @@ class _Watchdog:
             time.sleep(self.interval / 2)
 
     def mark_exited(self) -> None:
-        """At a normal exit: tell the peers, stop beating, keep judging (a process leaving
-        because a peer died still waits for JAX's shutdown barrier, which the judge ends)."""
+        """At a normal exit: tell the peers, stop beating, shut JAX's client down while the
+        judge still runs (a process leaving because a peer died waits in that shutdown's
+        barrier, which the judge ends), then stop the watchdog's threads.
+
+        The threads must not outlive this: the interpreter ends daemon threads that are
+        still running when it finalizes, and one ended inside a call into JAX's client
+        aborted the process after its work was done ("FATAL: exception not rethrown",
+        exit status -6), which a scheduler reads as a failed job."""
         self.exiting = True
         try:
             self.client.key_value_set(f"{_PREFIX}beat/{self.me}", _EXITED, True)
         except Exception:  # noqa: BLE001 - the peers then judge by the service's silence
             pass
+        import jax  # loaded long before: this process joined a job through it
+
+        try:
+            jax.distributed.shutdown()  # JAX's own atexit call then finds nothing to do
+        finally:
+            self.stopped.set()
+            for thread in self.threads:
+                thread.join(timeout=_SERVICE_CALL)
 
 
 def _within(seconds: float, fn: Callable, *args) -> None:
@@ -466,9 +482,11 @@ def start(
     client.key_value_set(f"{_PREFIX}peer/{process_id}", who, True)
     progress.activate()
     for target in (dog.beat, dog.read, dog.judge):
-        threading.Thread(
+        thread = threading.Thread(
             target=target, name=f"estimator-watchdog-{target.__name__}", daemon=True
-        ).start()
+        )
+        thread.start()
+        dog.threads.append(thread)
     # Registered after jax.distributed's own atexit shutdown, so it runs before it.
     atexit.register(dog.mark_exited)
     sys.excepthook = _verdict_first(sys.excepthook, dog)

@@ -111,6 +111,15 @@ _CHILD = textwrap.dedent(
     client = Client()
     client.key_value_set("tpu_estimator/peer/1", json.dumps({"host": "far", "pid": 4242}))
     _compat.distributed_client = lambda: client
+
+    import atexit, jax
+    jax.distributed.shutdown = lambda: print("SHUTDOWN", flush=True)
+
+    def threads_at_exit():  # registered first: runs after the watchdog's own exit hook
+        alive = [t.name for t in threading.enumerate() if "watchdog" in t.name]
+        print("WATCHDOG THREADS AT EXIT:", alive, flush=True)
+
+    atexit.register(threads_at_exit)
     assert watchdog.start(process_id=0, num_processes=2, bound=1)
     watchdog.watch_model_dir(model_dir, step_names.newest_finished_path)
 
@@ -164,6 +173,11 @@ def test_a_peer_that_exited_normally_is_not_lost(tmp_path):
     out = _child(tmp_path, "exited")
     assert out.returncode == 0 and "NOT LOST" in out.stdout, out.stderr[-2000:]
     assert not _lost_lines(out)
+    # At exit JAX's client is shut down while the judge still runs, then the watchdog's
+    # threads end: none is left in a client call when the interpreter finalizes (one that
+    # was aborted the process after its work, "FATAL: exception not rethrown").
+    lines = out.stdout.splitlines()
+    assert lines[-2:] == ["SHUTDOWN", "WATCHDOG THREADS AT EXIT: []"], out.stdout
 
 
 def test_an_error_with_every_peer_alive_is_raised_as_it_is(tmp_path):
