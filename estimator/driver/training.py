@@ -578,9 +578,7 @@ def _run_calls(
     # A call that keeps its input state is seen before the next is launched, so that state
     # is freed first: two copies alive, not three (docs/performance.md, finding 17).
     ahead = not guard.keeps_any()
-    for chunk, (outputs, kept) in dispatch.dispatch(
-        calls, launch=launch, fetch=fetch, ahead=ahead
-    ):
+    for chunk, (outputs, kept) in dispatch.dispatch(calls, launch=launch, fetch=fetch, ahead=ahead):
         losses, host, finite = outputs
         guard.check(finite, losses, np.arange(step + 1, step + chunk.steps + 1), kept)
         del kept

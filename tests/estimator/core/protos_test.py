@@ -13,9 +13,7 @@ from estimator import rewriter_config_pb2
 from tests import helpers as h
 
 
-def test_efficientnets_session_config_lines_run_and_are_ignored_with_one_warning(
-    tmp_path, caplog
-):
+def test_efficientnets_session_config_lines_run_and_are_ignored_with_one_warning(tmp_path, caplog):
     config = estimator.ConfigProto(
         graph_options=estimator.GraphOptions(
             rewrite_options=rewriter_config_pb2.RewriterConfig(disable_meta_optimizer=True)
