@@ -19,14 +19,13 @@ examples and big_vision write it:
   start of each step.
 
 Example:
-  >>> loop = make("mlp", "zero1", make_mesh(), sample_x)
+  >>> loop = make("mlp", "zero1", make_mesh(), sample_x, logdir="/tmp/hand")
   >>> state = loop.init()
   >>> state, out = loop.run(state, xs, ys)
 """
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -179,8 +178,11 @@ def _place(tree, mesh: Mesh, specs):
     return jax.device_put(tree, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
 
 
-def make(model: str, variant: str, mesh: Mesh, sample_x: np.ndarray, seed: int = 0) -> HandLoop:
-    """The hand-written loop of ``variant`` (one of ``VARIANTS``) for ``model``."""
+def make(
+    model: str, variant: str, mesh: Mesh, sample_x: np.ndarray, *, logdir: str, seed: int = 0
+) -> HandLoop:
+    """The hand-written loop of ``variant`` (one of ``VARIANTS``) for ``model``; ``host_call``
+    writes its event file under ``logdir``."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     params = W._module(model).init(jax.random.key(seed), sample_x[:1])["params"]
@@ -202,15 +204,15 @@ def make(model: str, variant: str, mesh: Mesh, sample_x: np.ndarray, seed: int =
     specs = _specs(state, False)
     outputs = (P(), P()) if variant == "host_call" else P()
     run = _jit_loop(_replicated_step(model, variant), mesh, specs, outputs)
-    after = _summary_writer() if variant == "host_call" else None
+    after = _summary_writer(logdir) if variant == "host_call" else None
     return HandLoop(lambda: _place(state, mesh, specs), run, after)
 
 
-def _summary_writer() -> Callable[[Any, int], None]:
+def _summary_writer(logdir: str) -> Callable[[Any, int], None]:
     """The host side of ``host_call``: every step's loss and accuracy into an event file."""
     from tensorboardX import SummaryWriter
 
-    writer = SummaryWriter(tempfile.mkdtemp(prefix="hand_host_call_"))
+    writer = SummaryWriter(logdir)
 
     def after(outputs, first_step: int) -> None:
         losses, accuracies = jax.device_get(outputs)

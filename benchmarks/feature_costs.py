@@ -27,7 +27,6 @@ hand-written side and fed by ``input_fn`` to the estimator, as in ``train_throug
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 from collections.abc import Callable
 from typing import NamedTuple
@@ -95,11 +94,13 @@ def estimator_case(f: Feature, data: W.Dataset, size: dict, model_dir: str) -> C
     return lambda: C.timed_train(est, input_fn, size["steps"])
 
 
-def hand_case(variant: str, data: W.Dataset, size: dict, first_losses: dict) -> Callable:
+def hand_case(
+    variant: str, data: W.Dataset, size: dict, first_losses: dict, logdir: str
+) -> Callable:
     """The hand-written loop of ``variant``, compiled; its first loop's losses go into
     ``first_losses`` (checked by ``check_losses``)."""
     mesh = W.make_mesh()
-    loop = H.make("mlp", variant, mesh, data.x[0])
+    loop = H.make("mlp", variant, mesh, data.x[0], logdir=logdir)
     chunks = W.stage_chunks(data, size["ipl"], mesh)
     state, out = loop.run(loop.init(), *chunks[0])  # compiles
     first_losses[variant] = np.asarray(out[0] if variant == "host_call" else out)
@@ -139,7 +140,7 @@ def rows(quick: bool, repeats: int, tmp: str) -> tuple[list[list], dict]:
     cases = {}
     for i, (name, f) in enumerate(FEATURES.items()):
         cases[f"est:{name}"] = estimator_case(f, data, size, f"{tmp}/{i}")
-        cases[f"hand:{name}"] = hand_case(f.hand, data, size, first)
+        cases[f"hand:{name}"] = hand_case(f.hand, data, size, first, f"{tmp}/hand{i}")
     check_losses(first)
     times = C.interleave(cases, repeats=repeats)
 
@@ -174,11 +175,8 @@ def main(argv=None) -> str | None:
     if started is None:
         return None
     args, repeats = started
-    tmp = tempfile.mkdtemp(prefix="bench_feature_costs_")
-    try:
+    with tempfile.TemporaryDirectory(prefix="bench_feature_costs_") as tmp:
         table, size = rows(args.quick, repeats, tmp)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return C.report(
         "Trainer features: the estimator against the same feature written by hand",
         [

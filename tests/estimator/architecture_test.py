@@ -8,6 +8,7 @@ importing the library configures no logging.
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
 import subprocess
 import sys
@@ -95,7 +96,16 @@ def test_cycle_finder_finds_a_cycle():
 
 
 # The public facade: the only modules at the top of the package besides the command line.
-FACADE = ("tpu_estimator", "train_and_evaluate", "tpu", "exporters", "export", "tf_only")
+FACADE = (
+    "tpu_estimator",
+    "train_and_evaluate",
+    "tpu",
+    "exporters",
+    "export",
+    "tf_only",
+    "summary",  # core/summary under its public name
+    "errors",  # core/errors under its public name
+)
 
 # The layers, lowest first. A module imports only from its own group or from a lower layer;
 # the groups of one layer are siblings and import nothing from each other. Names are module
@@ -321,3 +331,12 @@ def test_lazy_package_exports_every_public_name():
     assert estimator.TPUEstimator.__module__ == "estimator.tpu_estimator"
     with pytest.raises(AttributeError, match="no attribute 'TPUEstimater'"):
         estimator.TPUEstimater  # noqa: B018
+
+
+@pytest.mark.parametrize("name", ["summary", "errors"])
+def test_a_public_submodule_in_core_imports_by_its_public_name(name):
+    """``import estimator.summary`` (DESIGN.md's name) is the module in ``core/`` that
+    ``estimator.summary`` is, one state, not a copy."""
+    module = importlib.import_module(f"estimator.{name}")
+    assert module is importlib.import_module(f"estimator.core.{name}")
+    assert module is getattr(importlib.import_module("estimator"), name)
