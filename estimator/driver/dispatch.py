@@ -83,22 +83,25 @@ def dispatch(
     ``labels`` and ``mask`` become ``InputShape``s of it.
     """
     pending = None
+
+    def hand_over() -> tuple[Any, Any]:
+        # Takes the pending call out of the generator's frame: once the consumer drops
+        # what it is handed, nothing here keeps it alive.
+        nonlocal pending
+        (done, out), pending = pending, None
+        return done, fetch(out)
+
     # Phases marked so the stall watchdog can say what a stuck process was doing.
-    # A yielded call's outputs are popped from this frame first: once the consumer drops
-    # them, nothing here keeps them alive.
     for chunk in progress.each(calls, "input", then="step"):
         if not ahead and pending is not None:
-            done, pending = pending, None
-            yield done[0], fetch(done.pop())
-        current = [None, launch(chunk)]
-        current[0] = chunk._replace(**{k: _shapes(getattr(chunk, k)) for k in _INPUTS})
-        del chunk
+            yield hand_over()
+        out = launch(chunk)
+        chunk = chunk._replace(**{k: _shapes(getattr(chunk, k)) for k in _INPUTS})
         if pending is not None:
-            done, pending = pending, None
-            yield done[0], fetch(done.pop())
-        pending = current
+            yield hand_over()
+        pending, out = (chunk, out), None
     if pending is not None:
-        yield pending[0], fetch(pending.pop())
+        yield hand_over()
 
 
 _INPUTS = ("features", "labels", "mask")
